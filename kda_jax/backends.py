@@ -1,0 +1,67 @@
+"""The one place a backend name becomes the functions the block's forward calls.
+
+Both backends expose the same five stages with the signatures of `pallas_kernels.reference`:
+`proj`, `conv_decode`, `conv_prefill`, `decode_core`, `prefill_core`.
+- `xla`: the pure-jnp references (any platform; the CPU default).
+- `pallas`: the Pallas Triton kernels (the GPU default); on a machine without a GPU they run in
+  interpret mode, which is slow and meant for tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+
+from pallas_kernels import reference as ref
+
+__all__ = ["BACKENDS", "Stages", "default_backend", "stages"]
+
+BACKENDS = ("xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    proj: Callable
+    conv_decode: Callable
+    conv_prefill: Callable
+    decode_core: Callable
+    prefill_core: Callable
+
+
+def default_backend() -> str:
+    """`pallas` when JAX's default device is a GPU, else `xla`."""
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def resolve(backend: str | None) -> str:
+    """Validates a backend name (None picks the platform default)."""
+    if backend is None:
+        return default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS} or None")
+    return backend
+
+
+def stages(backend: str) -> Stages:
+    """The stage functions of a (resolved) backend."""
+    if backend == "xla":
+        return Stages(
+            proj=ref.gemv_reference,
+            conv_decode=ref.conv_decode_reference,
+            conv_prefill=ref.conv_prefill_reference,
+            decode_core=ref.decode_core_reference,
+            prefill_core=ref.prefill_core_reference,
+        )
+    if backend == "pallas":
+        import pallas_kernels as pk
+
+        return Stages(
+            proj=pk.proj,
+            conv_decode=pk.conv_decode,
+            conv_prefill=pk.conv_prefill,
+            decode_core=pk.decode_core,
+            prefill_core=pk.prefill_core,
+        )
+    raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")

@@ -1,0 +1,192 @@
+"""The block's forward (SPEC §1, §3): `prefill`, `decode`, `decode_k`, written once.
+
+Each entry point is a jitted pure function of (params, cfg, inputs, state); `cfg`, `backend`
+and `return_stages` are static. The backend is resolved in `kda_jax.backends` and supplies the
+stage functions; nothing here depends on which one runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kda_jax import backends
+from kda_jax.config import KdaConfig
+from kda_jax.params import KdaParams, in_proj_slices
+from kda_jax.state import KdaState
+
+__all__ = ["prefill", "decode", "decode_k"]
+
+_STATIC = ("cfg", "backend", "return_stages")
+
+
+def _check_x(x: jax.Array, cfg: KdaConfig, rank: int, what: str) -> None:
+    if x.ndim != rank or x.shape[-1] != cfg.hidden:
+        want = {2: "[B, D]", 3: "[B, T, D]" if what == "prefill" else "[B, k, D]"}[rank]
+        raise ValueError(
+            f"{what}: x has shape {tuple(x.shape)}, expected {want} with D = hidden = {cfg.hidden}"
+        )
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{what}: x has dtype {x.dtype}, expected a floating dtype")
+
+
+def _front(st: backends.Stages, params: KdaParams, cfg: KdaConfig, x: jax.Array):
+    """The projections of x [B, R, D]: q|k|v raw [B, R, 3P], f [B, R, P], b [B, R, H], z."""
+    b_, r, d = x.shape
+    sl = in_proj_slices(cfg)
+    h = st.proj(x.reshape(b_ * r, d).astype(params.dtype), params.w_in)
+    f = st.proj(h[:, sl["f_a"]], params.f_b)
+    z = st.proj(h[:, sl["g_a"]], params.g_b)
+    shape = lambda a: a.reshape(b_, r, a.shape[-1])  # noqa: E731
+    qkv = shape(h[:, : cfg.conv_dim])
+    return qkv, shape(f), shape(h[:, sl["b"]]), shape(z)
+
+
+def _split_heads(cfg: KdaConfig, conv_out: jax.Array):
+    """conv_out [B, R, 3P] -> q, k, v [B, R, H, K]."""
+    shape = (*conv_out.shape[:-1], cfg.heads, cfg.head_dim)
+    p = cfg.qkv_dim
+    return tuple(conv_out[..., i * p : (i + 1) * p].reshape(shape) for i in range(3))
+
+
+def _rows(params, cfg, x, state, backend, snapshots, return_stages):
+    """R rows per sequence through the decode path; shared by `decode` and `decode_k`."""
+    st = backends.stages(backends.resolve(backend))
+    b_, r, _ = x.shape
+    state.check(cfg, b_)
+    qkv, f, b, z = _front(st, params, cfg, x)
+    conv_out, conv_states = st.conv_decode(
+        qkv, state.conv, params.conv_w,
+        qk_channels=cfg.qk_channels, head_dim=cfg.head_dim, l2_eps=cfg.l2_eps,
+    )
+    q, k, v = _split_heads(cfg, conv_out)
+    y, rec, rec_snaps = st.decode_core(
+        q, k, v, f, b, z, state.recurrent, params.a_log, params.dt_bias, params.o_norm_w,
+        scale=cfg.scale, lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps,
+        snapshots=snapshots, out_dtype=params.dtype,
+    )
+    out = st.proj(y.reshape(b_ * r, cfg.qkv_dim), params.o_proj).reshape(b_, r, cfg.hidden)
+    new_state = KdaState(recurrent=rec, conv=conv_states[:, -1])
+    snaps = KdaState(recurrent=rec_snaps, conv=conv_states) if snapshots else None
+    stages = None
+    if return_stages:
+        stages = dict(
+            qkv_proj=qkv, q=q, k=k, v=v, g_raw=f, out_gate=z, o_norm_out=y, final_out=out
+        )
+    return out, new_state, snaps, stages
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def decode(
+    params: KdaParams,
+    cfg: KdaConfig,
+    x: jax.Array,
+    state: KdaState,
+    *,
+    backend: str | None = None,
+    return_stages: bool = False,
+):
+    """One token per sequence.
+
+    Args:
+      params: the block's weights; cfg: its config (static).
+      x: [B, D] input-layernorm output of the new token.
+      state: KdaState for B sequences.
+      backend: "xla" or "pallas" (static); None picks "pallas" on a GPU, "xla" elsewhere.
+      return_stages: also return a dict of intermediates named as the oracle's stages.
+    Returns:
+      (y [B, D] in the weights' dtype, new state) and the stage dict when asked.
+    """
+    _check_x(x, cfg, 2, "decode")
+    y, new_state, _, stages = _rows(params, cfg, x[:, None], state, backend, False, return_stages)
+    y = y[:, 0]
+    if return_stages:
+        return y, new_state, jax.tree.map(lambda a: a[:, 0], stages)
+    return y, new_state
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def decode_k(
+    params: KdaParams,
+    cfg: KdaConfig,
+    x: jax.Array,
+    state: KdaState,
+    *,
+    backend: str | None = None,
+    return_stages: bool = False,
+):
+    """Speculative verify: k tokens per sequence, projections in one weight sweep.
+
+    Args:
+      x: [B, k, D] with 1 <= k <= cfg.max_verify.
+    Returns:
+      y [B, k, D]; the state after the last row; snapshots, a KdaState whose leaves carry a row
+      axis ([B, k, H, K, V] and [B, k, W-1, conv_dim]): the state after each row. A caller that
+      accepts a of the k tokens resumes from `select_snapshot(snapshots, a - 1)`.
+    """
+    _check_x(x, cfg, 3, "decode_k")
+    k = x.shape[1]
+    if not 1 <= k <= cfg.max_verify:
+        raise ValueError(f"decode_k: k={k} rows, expected 1 <= k <= max_verify={cfg.max_verify}")
+    y, new_state, snaps, stages = _rows(params, cfg, x, state, backend, True, return_stages)
+    if return_stages:
+        return y, new_state, snaps, stages
+    return y, new_state, snaps
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def prefill(
+    params: KdaParams,
+    cfg: KdaConfig,
+    x: jax.Array,
+    state: KdaState,
+    lengths: jax.Array | None = None,
+    *,
+    backend: str | None = None,
+    return_stages: bool = False,
+):
+    """Chunked prefill of T padded tokens per sequence from the carried state.
+
+    Args:
+      x: [B, T, D]; T is static (one compilation per padded T).
+      state: KdaState for B sequences.
+      lengths: [B] int (traced), real tokens per row, clipped to [0, T]; None means all T.
+        Positions at or past lengths[b] touch neither the state nor any real output, whatever
+        they hold; their outputs are 0.
+    Returns:
+      (y [B, T, D], new state) and the stage dict when asked.
+    """
+    _check_x(x, cfg, 3, "prefill")
+    b_, t, _ = x.shape
+    if lengths is None:
+        lengths = jnp.full((b_,), t, jnp.int32)
+    lengths = jnp.asarray(lengths)
+    if lengths.shape != (b_,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(
+            f"prefill: lengths has shape {lengths.shape} and dtype {lengths.dtype}, "
+            f"expected [{b_}] integers"
+        )
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
+    state.check(cfg, b_)
+    st = backends.stages(backends.resolve(backend))
+    qkv, f, b, z = _front(st, params, cfg, x)
+    conv_out, conv_state = st.conv_prefill(
+        qkv, state.conv, params.conv_w, lengths,
+        qk_channels=cfg.qk_channels, head_dim=cfg.head_dim, l2_eps=cfg.l2_eps,
+    )
+    q, k, v = _split_heads(cfg, conv_out)
+    y, rec = st.prefill_core(
+        q, k, v, f, b, z, state.recurrent, lengths, params.a_log, params.dt_bias,
+        params.o_norm_w, scale=cfg.scale, chunk=cfg.chunk, lower_bound=cfg.gate_lower_bound,
+        eps=cfg.rms_norm_eps, out_dtype=params.dtype,
+    )
+    out = st.proj(y.reshape(b_ * t, cfg.qkv_dim), params.o_proj).reshape(b_, t, cfg.hidden)
+    new_state = KdaState(recurrent=rec, conv=conv_state)
+    if return_stages:
+        stages = dict(
+            qkv_proj=qkv, q=q, k=k, v=v, g_raw=f, out_gate=z, o_norm_out=y, final_out=out
+        )
+        return out, new_state, stages
+    return out, new_state

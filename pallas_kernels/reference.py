@@ -1,0 +1,396 @@
+"""Pure-jnp references of every kernel, one function per op, same signature as the kernel.
+
+These are also the `xla` backend of `kda_jax`: the block's forward calls them when no GPU
+kernel is wanted. Notation (SPEC.md): B sequences, R rows per sequence in one decode call
+(1 for decode, k for the verify), T tokens, H heads, K = V = head_dim, P = H*K, W conv width,
+C chunk. All state and gate math is fp32; matrix inputs may be bf16 with fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = [
+    "gemv_reference",
+    "conv_decode_reference",
+    "conv_prefill_reference",
+    "gate_reference",
+    "recurrent_reference",
+    "o_norm_reference",
+    "chunk_kda_reference",
+    "decode_core_reference",
+    "prefill_core_reference",
+]
+
+f32 = jnp.float32
+
+
+# --------------------------------------------------------------------------------------------
+# Projections
+# --------------------------------------------------------------------------------------------
+def gemv_reference(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
+    """y = x @ w.T with fp32 accumulation.
+
+    Args:
+      x: [M, D] activations (M rows; 1 for a single-token GEMV).
+      w: [N, D] weight in torch `[out, in]` layout.
+      out_dtype: dtype of y (default: w.dtype).
+    Returns:
+      [M, N] out_dtype.
+    """
+    y = lax.dot_general(
+        x.astype(w.dtype), w, (((1,), (1,)), ((), ())), preferred_element_type=f32,
+        precision=lax.Precision.HIGHEST,
+    )
+    return y.astype(out_dtype or w.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Short causal conv + SiLU + per-head L2 of q and k
+# --------------------------------------------------------------------------------------------
+def _l2_qk(y: jax.Array, *, qk_channels: int, head_dim: int, l2_eps: float) -> jax.Array:
+    """L2-normalises each head_dim group of the first qk_channels channels of y [..., C]."""
+    qk = y[..., :qk_channels]
+    groups = qk.reshape(*qk.shape[:-1], qk_channels // head_dim, head_dim)
+    inv = lax.rsqrt(jnp.sum(groups * groups, axis=-1, keepdims=True) + l2_eps)
+    qk = (groups * inv).reshape(qk.shape)
+    return jnp.concatenate([qk, y[..., qk_channels:]], axis=-1)
+
+
+def _conv_silu(window: jax.Array, w: jax.Array) -> jax.Array:
+    """window [..., W, C] fp32 (oldest first), w [C, W] -> SiLU(sum_j w[:, j] * window[j])."""
+    y = jnp.einsum("...jc,cj->...c", window, w, precision=lax.Precision.HIGHEST)
+    return y * jax.nn.sigmoid(y)
+
+
+def conv_decode_reference(
+    x: jax.Array,
+    conv_state: jax.Array,
+    w: jax.Array,
+    *,
+    qk_channels: int,
+    head_dim: int,
+    l2_eps: float,
+) -> tuple[jax.Array, jax.Array]:
+    """Conv step for R new rows per sequence, from the carried conv state.
+
+    Args:
+      x: [B, R, C] raw (pre-conv) q|k|v rows, any float dtype.
+      conv_state: [B, W-1, C] fp32, the last W-1 raw inputs, oldest first.
+      w: [C, W] fp32 taps; w[:, W-1] multiplies the current row.
+    Returns:
+      out: [B, R, C] fp32, SiLU(conv) with q and k L2-normalised per head.
+      states: [B, R, W-1, C] fp32, the conv state after each row (states[:, -1] is the new one).
+    """
+    wdt = w.shape[1]
+    seq = jnp.concatenate([conv_state.astype(f32), x.astype(f32)], axis=1)  # [B, W-1+R, C]
+    r = x.shape[1]
+    idx = jnp.arange(r)[:, None] + jnp.arange(wdt)[None, :]  # [R, W]
+    windows = seq[:, idx]  # [B, R, W, C]
+    out = _l2_qk(_conv_silu(windows, w), qk_channels=qk_channels, head_dim=head_dim, l2_eps=l2_eps)
+    states = windows[:, :, 1:]
+    return out, states
+
+
+def conv_prefill_reference(
+    x: jax.Array,
+    conv_state: jax.Array,
+    w: jax.Array,
+    lengths: jax.Array,
+    *,
+    qk_channels: int,
+    head_dim: int,
+    l2_eps: float,
+    out_dtype=jnp.float32,
+) -> tuple[jax.Array, jax.Array]:
+    """Causal conv over T padded tokens from the carried conv state.
+
+    Args:
+      x: [B, T, C] raw q|k|v; positions t >= lengths[b] may hold anything (NaN included).
+      conv_state: [B, W-1, C] fp32.
+      w: [C, W] fp32.
+      lengths: [B] int32, real tokens per row (0 <= lengths <= T).
+    Returns:
+      out: [B, T, C] out_dtype, SiLU(conv) with q, k L2-normalised, exactly 0 at pad positions.
+      new_state: [B, W-1, C] fp32, the last W-1 raw inputs before position lengths[b].
+    """
+    b, t, c = x.shape
+    wdt = w.shape[1]
+    valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
+    xs = jnp.where(valid[..., None], x.astype(f32), 0.0)
+    seq = jnp.concatenate([conv_state.astype(f32), xs], axis=1)  # [B, W-1+T, C]
+    y = sum(seq[:, j : j + t] * w[:, j] for j in range(wdt))
+    y = y * jax.nn.sigmoid(y)
+    out = _l2_qk(y, qk_channels=qk_channels, head_dim=head_dim, l2_eps=l2_eps)
+    out = jnp.where(valid[..., None], out, 0.0).astype(out_dtype)
+    # The W-1 inputs before position lengths[b] sit at seq[lengths[b] : lengths[b] + W-1].
+    pos = lengths[:, None] + jnp.arange(wdt - 1)[None, :]  # [B, W-1]
+    new_state = jnp.take_along_axis(seq, pos[..., None], axis=1)
+    return out, new_state
+
+
+# --------------------------------------------------------------------------------------------
+# Gate and beta
+# --------------------------------------------------------------------------------------------
+def gate_reference(
+    f: jax.Array,
+    b: jax.Array,
+    a_log: jax.Array,
+    dt_bias: jax.Array,
+    *,
+    head_dim: int,
+    lower_bound: float | None,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-channel log-decay and beta.
+
+    Args:
+      f: [..., P] forget-gate input f_b(f_a(x)), any float dtype.
+      b: [..., H] beta logits.
+      a_log: [H] fp32; dt_bias: [P] fp32.
+      lower_bound: lb of the bounded gate, or None for the unbounded gate.
+    Returns:
+      g: [..., H, K] fp32, g < 0 (bounded: lb * sigmoid(exp(A_log) * (f + dt_bias));
+         unbounded: -exp(A_log) * softplus(f + dt_bias), softplus linear above 20).
+      beta: [..., H] fp32, sigmoid(b).
+    """
+    h = a_log.shape[-1]
+    u = f.astype(f32) + dt_bias.astype(f32)
+    u = u.reshape(*u.shape[:-1], h, head_dim)
+    a = jnp.exp(a_log.astype(f32))[:, None]
+    if lower_bound is None:
+        sp = jnp.where(u > 20.0, u, jnp.log1p(jnp.exp(jnp.minimum(u, 20.0))))
+        g = -a * sp
+    else:
+        g = lower_bound * jax.nn.sigmoid(a * u)
+    return g, jax.nn.sigmoid(b.astype(f32))
+
+
+# --------------------------------------------------------------------------------------------
+# Recurrence (decode and verify)
+# --------------------------------------------------------------------------------------------
+def _recurrent_step(state, q, k, v, g, beta, scale):
+    """One token for all (B, H): state [B, H, K, V]; q, k, g [B, H, K]; v [B, H, V]; beta [B, H]."""
+    s = state * jnp.exp(g)[..., None]
+    pred = jnp.einsum("bhkv,bhk->bhv", s, k, precision=lax.Precision.HIGHEST)
+    delta = beta[..., None] * (v - pred)
+    s = s + k[..., None] * delta[..., None, :]
+    o = jnp.einsum("bhkv,bhk->bhv", s, q * scale, precision=lax.Precision.HIGHEST)
+    return s, o
+
+
+def recurrent_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state: jax.Array,
+    *,
+    scale: float,
+    snapshots: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Walks R rows per sequence through the delta rule (SPEC §1, Recurrence).
+
+    Args:
+      q, k: [B, R, H, K] fp32, L2-normalised (q unscaled; `scale` is applied here).
+      v: [B, R, H, V] fp32.
+      g: [B, R, H, K] fp32 log-decay; beta: [B, R, H] fp32 (post-sigmoid).
+      state: [B, H, K, V] fp32.
+      snapshots: also return the state after every row.
+    Returns:
+      o: [B, R, H, V] fp32; new_state: [B, H, K, V] fp32;
+      snaps: [B, R, H, K, V] fp32 or None.
+    """
+    xs = tuple(jnp.moveaxis(a.astype(f32), 1, 0) for a in (q, k, v, g, beta))
+
+    def step(s, inp):
+        s, o = _recurrent_step(s, *inp, scale)
+        return s, (o, s if snapshots else None)
+
+    new_state, (o, snaps) = lax.scan(step, state.astype(f32), xs)
+    o = jnp.moveaxis(o, 0, 1)
+    return o, new_state, (jnp.moveaxis(snaps, 0, 1) if snapshots else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Sigmoid-gated RMSNorm
+# --------------------------------------------------------------------------------------------
+def o_norm_reference(
+    o: jax.Array, z: jax.Array, w: jax.Array, *, eps: float, out_dtype=jnp.bfloat16
+) -> jax.Array:
+    """y_h = o_h * rsqrt(mean(o_h^2) + eps) * w * sigmoid(z_h), per head, fp32 math, one cast.
+
+    Args:
+      o: [..., H, V] fp32 core output.
+      z: [..., H*V] output-gate projection g_b(g_a(x)), any float dtype.
+      w: [V] norm weight.
+    Returns:
+      [..., H*V] out_dtype.
+    """
+    o = o.astype(f32)
+    zh = z.astype(f32).reshape(o.shape)
+    y = o * lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps) * w.astype(f32)
+    y = y * jax.nn.sigmoid(zh)
+    return y.reshape(*o.shape[:-2], -1).astype(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Chunked prefill core (SPEC §5)
+# --------------------------------------------------------------------------------------------
+def _chunk_step(state, inp, scale):
+    """One chunk for all (B, H). state [B, H, K, V]; q, k, g [B, H, C, K]; v [B, H, C, V];
+    beta [B, H, C]. g is the per-token log-decay; pad tokens carry g = 0, beta = 0, k = 0."""
+    q, k, v, g, beta = inp
+    c = q.shape[2]
+    hi = lax.Precision.HIGHEST
+    gc = jnp.cumsum(g, axis=2)  # G: inclusive chunk-local cumulative log-decay [B, H, C, K]
+    # Pairwise exp(G_i - G_j) with the mask applied before exp: every exponent is <= 0.
+    diff = gc[:, :, :, None, :] - gc[:, :, None, :, :]  # [B, H, C(i), C(j), K]
+    ii = jnp.arange(c)[:, None]
+    jj = jnp.arange(c)[None, :]
+    decay_le = jnp.exp(jnp.where((jj <= ii)[..., None], diff, -jnp.inf))
+    qk = jnp.einsum("bhik,bhjk,bhijk->bhij", q, k, decay_le, precision=hi)
+    kk = jnp.einsum("bhik,bhjk,bhijk->bhij", k, k, decay_le, precision=hi)
+    a_mat = scale * qk  # j <= i
+    l_mat = beta[..., None] * jnp.where(jj < ii, kk, 0.0)  # strictly lower
+    eye = jnp.eye(c, dtype=f32)
+    i_plus_l = eye + l_mat
+    w = jax.scipy.linalg.solve_triangular(
+        i_plus_l, beta[..., None] * k * jnp.exp(gc), lower=True, unit_diagonal=True
+    )
+    u = jax.scipy.linalg.solve_triangular(
+        i_plus_l, beta[..., None] * v, lower=True, unit_diagonal=True
+    )
+    delta = u - jnp.einsum("bhck,bhkv->bhcv", w, state, precision=hi)
+    o = scale * jnp.einsum("bhck,bhkv->bhcv", q * jnp.exp(gc), state, precision=hi)
+    o = o + jnp.einsum("bhij,bhjv->bhiv", a_mat, delta, precision=hi)
+    g_last = gc[:, :, -1, :]  # [B, H, K]
+    k_dec = k * jnp.exp(g_last[:, :, None, :] - gc)
+    new_state = jnp.exp(g_last)[..., None] * state + jnp.einsum(
+        "bhck,bhcv->bhkv", k_dec, delta, precision=hi
+    )
+    return new_state, o
+
+
+def chunk_kda_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state: jax.Array,
+    *,
+    scale: float,
+    chunk: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Chunked delta-rule prefill (SPEC §5) over T tokens from a carried state.
+
+    Pad positions must already be neutral (g = 0, beta = 0, k = 0; `kda_jax` zeroes them from
+    `lengths`), so the state after T tokens equals the state after each row's real tokens.
+
+    Args:
+      q, k: [B, T, H, K] fp32, L2-normalised (q unscaled).
+      v: [B, T, H, V] fp32.
+      g: [B, T, H, K] fp32 per-token log-decay (<= 0).
+      beta: [B, T, H] fp32.
+      state: [B, H, K, V] fp32.
+      chunk: C; T need not be a multiple of it.
+    Returns:
+      o: [B, T, H, V] fp32; new_state: [B, H, K, V] fp32.
+    """
+    b, t, h, kd = q.shape
+    n = -(-t // chunk)
+    pad = n * chunk - t
+
+    def to_chunks(a):
+        a = a.astype(f32)
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        a = a.reshape(b, n, chunk, *a.shape[2:])  # [B, N, C, H, ...]
+        a = jnp.moveaxis(a, 3, 2)  # [B, N, H, C, ...]
+        return jnp.moveaxis(a, 1, 0)  # [N, B, H, C, ...]
+
+    xs = tuple(to_chunks(a) for a in (q, k, v, g, beta))
+    new_state, o = lax.scan(lambda s, x: _chunk_step(s, x, scale), state.astype(f32), xs)
+    o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, V]
+    o = jnp.moveaxis(o, 2, 3).reshape(b, n * chunk, h, -1)[:, :t]
+    return o, new_state
+
+
+# --------------------------------------------------------------------------------------------
+# Composite stages: what the block's forward calls (a backend may fuse their parts)
+# --------------------------------------------------------------------------------------------
+def decode_core_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    f: jax.Array,
+    b: jax.Array,
+    z: jax.Array,
+    state: jax.Array,
+    a_log: jax.Array,
+    dt_bias: jax.Array,
+    o_norm_w: jax.Array,
+    *,
+    scale: float,
+    lower_bound: float | None,
+    eps: float,
+    snapshots: bool = False,
+    out_dtype=jnp.bfloat16,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Gate, beta, recurrence and gated RMSNorm for R rows per sequence.
+
+    Args:
+      q, k, v: [B, R, H, K] fp32 from conv_decode (q, k L2-normalised).
+      f: [B, R, P] forget-gate input; b: [B, R, H] beta logits; z: [B, R, P] output gate.
+      state: [B, H, K, V] fp32.
+    Returns:
+      y: [B, R, P] out_dtype (o_norm output); new_state; snaps [B, R, H, K, V] or None.
+    """
+    g, beta = gate_reference(f, b, a_log, dt_bias, head_dim=q.shape[-1], lower_bound=lower_bound)
+    o, new_state, snaps = recurrent_reference(
+        q, k, v, g, beta, state, scale=scale, snapshots=snapshots
+    )
+    return o_norm_reference(o, z, o_norm_w, eps=eps, out_dtype=out_dtype), new_state, snaps
+
+
+def prefill_core_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    f: jax.Array,
+    b: jax.Array,
+    z: jax.Array,
+    state: jax.Array,
+    lengths: jax.Array,
+    a_log: jax.Array,
+    dt_bias: jax.Array,
+    o_norm_w: jax.Array,
+    *,
+    scale: float,
+    chunk: int,
+    lower_bound: float | None,
+    eps: float,
+    out_dtype=jnp.bfloat16,
+) -> tuple[jax.Array, jax.Array]:
+    """Gate, beta, chunked recurrence and gated RMSNorm over T padded tokens.
+
+    Positions t >= lengths[b] get g = 0, beta = 0 and k = q = v = 0 (selected, so NaN there is
+    harmless): they leave the state alone, and their output is 0.
+
+    Args:
+      q, k, v: [B, T, H, K] from conv_prefill (q, k L2-normalised).
+      f: [B, T, P]; b: [B, T, H]; z: [B, T, P]; state: [B, H, K, V] fp32; lengths: [B] int32.
+    Returns:
+      y: [B, T, P] out_dtype; new_state: [B, H, K, V] fp32.
+    """
+    t = q.shape[1]
+    valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
+    g, beta = gate_reference(f, b, a_log, dt_bias, head_dim=q.shape[-1], lower_bound=lower_bound)
+    vm = valid[..., None, None]
+    q, k, v, g = (jnp.where(vm, a.astype(f32), 0.0) for a in (q, k, v, g))
+    beta = jnp.where(valid[..., None], beta, 0.0)
+    o, new_state = chunk_kda_reference(q, k, v, g, beta, state, scale=scale, chunk=chunk)
+    y = o_norm_reference(o, z, o_norm_w, eps=eps, out_dtype=out_dtype)
+    return jnp.where(valid[..., None], y, 0).astype(out_dtype), new_state
