@@ -1,0 +1,21 @@
+"""kda-jax: the Kimi Delta Attention block for JAX.
+
+Functional core: `prefill`, `decode`, `decode_k` over (`KdaParams`, `KdaConfig`, `KdaState`);
+Flax NNX module: `KimiDeltaAttention`; checkpoints: `load_hf_layer`; fp32 oracle:
+`oracle_forward`.
+"""
+
+from kda_jax.config import PRESETS, KdaConfig, preset
+from kda_jax.forward import decode, decode_k, prefill
+from kda_jax.hf import load_hf_layer, load_hf_params, save_hf_checkpoint
+from kda_jax.module import KimiDeltaAttention
+from kda_jax.oracle import STAGES, oracle_forward
+from kda_jax.params import KdaParams, init_params
+from kda_jax.state import KdaState, select_snapshot
+
+__all__ = [
+    "KdaConfig", "PRESETS", "preset", "KdaParams", "init_params", "KdaState", "select_snapshot",
+    "prefill", "decode", "decode_k", "KimiDeltaAttention", "load_hf_layer", "load_hf_params",
+    "save_hf_checkpoint",
+    "oracle_forward", "STAGES",
+]

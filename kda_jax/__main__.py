@@ -1,0 +1,5 @@
+import sys
+
+from kda_jax.cli import main
+
+sys.exit(main())

@@ -1,0 +1,255 @@
+"""The block's forward on the xla backend against the oracle, and the state semantics.
+
+(The pallas backend's block tests live in test_forward_pallas.py.)
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TOL, assert_close
+
+import kda_jax as K
+from pallas_kernels.reference import chunk_kda_reference, recurrent_reference
+
+GATES = ["tiny", "tiny-bounded"]
+
+
+def _setup(name, key, batch=2, dtype=jnp.float32, carried=True):
+    cfg = K.preset(name)
+    k1, k2, k3 = jax.random.split(key, 3)
+    p = K.init_params(cfg, k1, dtype)
+    s = K.KdaState.zeros(cfg, batch)
+    if carried:  # a realistic carried state: the oracle's state after a few random tokens
+        warm = jax.random.normal(k2, (batch, 5, cfg.hidden))
+        _, s, _ = K.oracle_forward(p, cfg, warm, s)
+    return cfg, p, s, k3
+
+
+@pytest.mark.parametrize("name", GATES)
+def test_prefill_matches_oracle_t1000(name, rng):
+    """Done-when bar: xla prefill vs oracle in fp32, relative RMS < 1e-4 at T = 1000."""
+    cfg, p, s0, key = _setup(name, rng)
+    x = jax.random.normal(key, (2, 1000, cfg.hidden))
+    y, s, stages = K.prefill(p, cfg, x, s0, backend="xla", return_stages=True)
+    y_ref, s_ref, ref = K.oracle_forward(p, cfg, x, s0)
+    assert_close(y, y_ref, TOL["fp32_cpu"], "final_out")
+    assert_close(s.recurrent, s_ref.recurrent, TOL["fp32_cpu"], "state")
+    np.testing.assert_allclose(s.conv, s_ref.conv, rtol=1e-5, atol=1e-5)
+    for n, got in stages.items():
+        assert_close(got, ref[n], TOL["fp32_cpu"], n)
+
+
+def test_chunked_equals_token_loop_t4096_unbounded(rng):
+    """SPEC §8: chunked vs token loop < 5e-3 at T = 4096 (fp32 here, so far below)."""
+    cfg, p, s0, key = _setup("tiny", rng, batch=1)
+    x = jax.random.normal(key, (1, 4096, cfg.hidden))
+    y, s = K.prefill(p, cfg, x, s0, backend="xla")
+    y_ref, s_ref, _ = K.oracle_forward(p, cfg, x, s0)
+    assert_close(y, y_ref, TOL["fp32_cpu"], "y")
+    assert_close(s.recurrent, s_ref.recurrent, TOL["fp32_cpu"], "state")
+
+
+@pytest.mark.parametrize("t,chunk", [(1, 16), (37, 16), (64, 64), (129, 64)])
+@pytest.mark.parametrize("min_log_decay", [-1.0, -50.0])
+def test_chunk_core_equals_recurrence(t, chunk, min_log_decay, rng):
+    """chunk_kda_reference == the token recurrence for any decay strength (down to -50 per token),
+    T not a multiple of the chunk, carried state."""
+    b, h, kd = 2, 3, 32
+    ks = jax.random.split(rng, 6)
+    l2 = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)  # noqa: E731
+    q = l2(jax.random.normal(ks[0], (b, t, h, kd)))
+    k = l2(jax.random.normal(ks[1], (b, t, h, kd)))
+    v = jax.random.normal(ks[2], (b, t, h, kd))
+    g = jax.random.uniform(ks[3], (b, t, h, kd), minval=min_log_decay, maxval=0.0)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h)))
+    s0 = jax.random.normal(ks[5], (b, h, kd, kd))
+    o, s = chunk_kda_reference(q, k, v, g, beta, s0, scale=kd**-0.5, chunk=chunk)
+    o_ref, s_ref, _ = recurrent_reference(q, k, v, g, beta, s0, scale=kd**-0.5)
+    assert np.all(np.isfinite(o)) and np.all(np.isfinite(s))
+    assert_close(o, o_ref, TOL["fp32_cpu"], "o")
+    assert_close(s, s_ref, TOL["fp32_cpu"], "state")
+
+
+@pytest.mark.parametrize("name", GATES)
+def test_strong_decay_block_no_nan(name, rng):
+    """Per-token log-decay near -50 (unbounded) / the bound (bounded): finite and exact."""
+    cfg, p, s0, key = _setup(name, rng)
+    if cfg.gate_lower_bound is None:
+        p = p.replace(a_log=jnp.full_like(p.a_log, jnp.log(50.0)), dt_bias=p.dt_bias + 8.0)
+    else:
+        p = p.replace(dt_bias=jnp.full_like(p.dt_bias, 30.0))
+    x = jax.random.normal(key, (2, 150, cfg.hidden))
+    y, s, st = K.prefill(p, cfg, x, s0, backend="xla", return_stages=True)
+    y_ref, s_ref, ref = K.oracle_forward(p, cfg, x, s0)
+    assert float(jnp.min(ref["gate"])) < (-40.0 if cfg.gate_lower_bound is None else -4.9)
+    assert_close(y, y_ref, TOL["fp32_cpu"], "y")
+    assert_close(s.recurrent, s_ref.recurrent, TOL["fp32_cpu"], "state")
+
+
+@pytest.mark.parametrize("name", GATES)
+def test_split_prefill_and_prefill_plus_decodes_equal_one_prefill(name, rng):
+    cfg, p, s0, key = _setup(name, rng)
+    x = jax.random.normal(key, (2, 77, cfg.hidden))
+    y, s = K.prefill(p, cfg, x, s0, backend="xla")
+    y1, s1 = K.prefill(p, cfg, x[:, :30], s0, backend="xla")
+    y2, s2 = K.prefill(p, cfg, x[:, 30:], s1, backend="xla")
+    assert_close(jnp.concatenate([y1, y2], 1), y, 1e-5, "split y")
+    assert_close(s2.recurrent, s.recurrent, 1e-5, "split state")
+    np.testing.assert_allclose(s2.conv, s.conv, rtol=1e-6, atol=1e-6)
+    ys, st = [], s1
+    for t in range(30, 77):
+        yt, st = K.decode(p, cfg, x[:, t], st, backend="xla")
+        ys.append(yt)
+    assert_close(jnp.stack(ys, 1), y[:, 30:], 1e-5, "decodes y")
+    assert_close(st.recurrent, s.recurrent, 1e-5, "decodes state")
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 8])
+def test_decode_k_equals_serial_decodes_and_snapshots(k, rng):
+    cfg, p, s0, key = _setup("tiny-bounded", rng)
+    x = jax.random.normal(key, (2, k, cfg.hidden))
+    y, s_last, snaps = K.decode_k(p, cfg, x, s0, backend="xla")
+    chex.assert_shape(snaps.recurrent, (2, k, *cfg.recurrent_state_shape(1)[1:]))
+    chex.assert_shape(snaps.conv, (2, k, *cfg.conv_state_shape(1)[1:]))
+    st = s0
+    for i in range(k):
+        yi, st = K.decode(p, cfg, x[:, i], st, backend="xla")
+        assert_close(y[:, i], yi, 1e-5, f"row {i}")
+        row = K.select_snapshot(snaps, jnp.full((2,), i))
+        assert_close(row.recurrent, st.recurrent, 1e-5, f"snapshot {i}")
+        np.testing.assert_allclose(row.conv, st.conv, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(s_last, st, rtol=1e-5, atol=1e-6)
+
+
+def test_select_snapshot_per_row_accept(rng):
+    cfg, p, s0, key = _setup("tiny", rng)
+    x = jax.random.normal(key, (2, 4, cfg.hidden))
+    _, _, snaps = K.decode_k(p, cfg, x, s0, backend="xla")
+    picked = K.select_snapshot(snaps, jnp.array([0, 3]))
+    np.testing.assert_array_equal(picked.recurrent[0], snaps.recurrent[0, 0])
+    np.testing.assert_array_equal(picked.recurrent[1], snaps.recurrent[1, 3])
+    np.testing.assert_array_equal(picked.conv[1], snaps.conv[1, 3])
+
+
+@pytest.mark.parametrize("name", GATES)
+@pytest.mark.parametrize("poison", [jnp.nan, 1e30, -jnp.inf])
+def test_padding_changes_nothing(name, poison, rng):
+    """Positions at or past lengths[b] hold NaN / huge values: real outputs and states equal
+    those of each row's real tokens alone (oracle), pad outputs are 0, nothing is NaN."""
+    cfg, p, s0, key = _setup(name, rng)
+    t, lengths = 70, jnp.array([70, 33])
+    x = jax.random.normal(key, (2, t, cfg.hidden))
+    pad = jnp.arange(t)[None, :, None] >= lengths[:, None, None]
+    xp = jnp.where(pad, poison, x)
+    y, s = K.prefill(p, cfg, xp, s0, lengths, backend="xla")
+    assert np.all(np.isfinite(y)) and np.all(np.isfinite(s.recurrent)) and np.all(np.isfinite(s.conv))
+    assert float(jnp.max(jnp.abs(jnp.where(pad, y, 0.0)))) == 0.0
+    for b in range(2):
+        n = int(lengths[b])
+        sb = jax.tree.map(lambda a: a[b : b + 1], s0)
+        y_ref, s_ref, _ = K.oracle_forward(p, cfg, x[b : b + 1, :n], sb)
+        assert_close(y[b : b + 1, :n], y_ref, TOL["fp32_cpu"], f"row {b} y")
+        assert_close(s.recurrent[b : b + 1], s_ref.recurrent, TOL["fp32_cpu"], f"row {b} S")
+        np.testing.assert_allclose(s.conv[b : b + 1], s_ref.conv, rtol=1e-5, atol=1e-5)
+
+
+def test_lengths_zero_and_short_rows_keep_conv_state(rng):
+    """A row with lengths 0 keeps its state; lengths < W-1 shifts in the old conv state."""
+    cfg, p, s0, key = _setup("tiny", rng)
+    x = jax.random.normal(key, (2, 8, cfg.hidden))
+    y, s = K.prefill(p, cfg, x, s0, jnp.array([0, 2]), backend="xla")
+    np.testing.assert_array_equal(s.recurrent[0], s0.recurrent[0])
+    np.testing.assert_array_equal(s.conv[0], s0.conv[0])
+    _, s_ref, _ = K.oracle_forward(p, cfg, x[1:, :2], jax.tree.map(lambda a: a[1:], s0))
+    np.testing.assert_allclose(s.conv[1:], s_ref.conv, rtol=1e-5, atol=1e-5)
+
+
+def test_one_compilation_serves_every_length(rng):
+    cfg, p, s0, key = _setup("tiny", rng)
+    fn = jax.jit(lambda x, s, n: K.prefill(p, cfg, x, s, n, backend="xla"))
+    x = jax.random.normal(key, (2, 40, cfg.hidden))
+    for lens in ([40, 1], [17, 39], [0, 40]):
+        fn(x, s0, jnp.array(lens))
+    assert fn._cache_size() == 1
+
+
+def test_decode_loop_compiles_once(rng):
+    """A jit decode loop (fori_loop carrying the state) compiles once for any token count and
+    any inputs; a Python loop of a jitted step compiles once too."""
+    cfg, p, s0, key = _setup("tiny", rng)
+
+    @jax.jit
+    def loop(s, xs, n):
+        def body(i, carry):
+            s, acc = carry
+            y, s = K.decode(p, cfg, xs[:, i], s, backend="xla")
+            return s, acc + jnp.sum(y)
+
+        return jax.lax.fori_loop(0, n, body, (s, 0.0))
+
+    xs = jax.random.normal(key, (2, 12, cfg.hidden))
+    for n in (3, 12, 7):
+        loop(s0, xs * n, n)
+    assert loop._cache_size() == 1
+    step = jax.jit(lambda x, s: K.decode(p, cfg, x, s, backend="xla"))
+    s = s0
+    for i in range(5):
+        _, s = step(xs[:, i], s)
+    assert step._cache_size() == 1
+
+
+def test_jit_and_vmap_smoke(rng):
+    cfg, p, s0, key = _setup("tiny", rng, batch=1)
+    xs = jax.random.normal(key, (3, 1, cfg.hidden))  # 3 independent groups of 1 sequence
+    states = jax.tree.map(lambda a: jnp.stack([a] * 3), s0)
+    f = jax.jit(jax.vmap(lambda x, s: K.decode(p, cfg, x, s, backend="xla")))
+    y, s = f(xs, states)
+    for i in range(3):
+        yi, si = K.decode(p, cfg, xs[i], s0, backend="xla")
+        assert_close(y[i], yi, 1e-6, "vmap y")
+        assert_close(s.recurrent[i], si.recurrent, 1e-6, "vmap state")
+
+
+def test_state_is_functional(rng):
+    cfg, p, s0, key = _setup("tiny", rng)
+    before = jax.tree.map(np.array, s0)
+    K.decode(p, cfg, jax.random.normal(key, (2, cfg.hidden)), s0, backend="xla")
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, s0), before)
+
+
+def test_bf16_end_to_end_within_bar(rng):
+    """bf16 weights and activations vs the fp32 oracle fed the same weights: < 1e-2."""
+    cfg, p, s0, key = _setup("tiny", rng, dtype=jnp.bfloat16)
+    x = jax.random.normal(key, (2, 200, cfg.hidden)).astype(jnp.bfloat16)
+    y, s = K.prefill(p, cfg, x, s0, backend="xla")
+    y_ref, s_ref, _ = K.oracle_forward(p, cfg, x, s0)
+    assert y.dtype == jnp.bfloat16
+    assert_close(y, y_ref, TOL["bf16_e2e"], "y")
+    assert_close(s.recurrent, s_ref.recurrent, TOL["bf16_e2e"], "state")
+
+
+def test_bad_inputs_raise_clear_errors(rng):
+    cfg, p, s0, key = _setup("tiny", rng, carried=False)
+    x = jax.random.normal(key, (2, 5, cfg.hidden))
+    with pytest.raises(ValueError, match=r"x has shape \(2, 5, 95\), expected \[B, T, D\] with D = hidden = 96"):
+        K.prefill(p, cfg, x[..., :95], s0)
+    with pytest.raises(TypeError, match="floating"):
+        K.prefill(p, cfg, x.astype(jnp.int32), s0)
+    with pytest.raises(ValueError, match=r"expected \[B, D\]"):
+        K.decode(p, cfg, x, s0)
+    with pytest.raises(ValueError, match=r"k=0 rows, expected 1 <= k <= max_verify=8"):
+        K.decode_k(p, cfg, x[:, :0], s0)
+    with pytest.raises(ValueError, match=r"k=9 rows"):
+        K.decode_k(p, cfg, jnp.zeros((2, 9, cfg.hidden)), s0)
+    with pytest.raises(ValueError, match=r"lengths has shape \(3,\)"):
+        K.prefill(p, cfg, x, s0, jnp.array([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"lengths .* expected \[2\] integers"):
+        K.prefill(p, cfg, x, s0, jnp.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match="state.recurrent has shape"):
+        K.prefill(p, cfg, x, K.KdaState.zeros(cfg, 3))
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        K.decode(p, cfg, x[:, 0], s0, backend="cuda")
