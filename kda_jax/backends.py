@@ -55,13 +55,16 @@ def stages(backend: str) -> Stages:
             prefill_core=ref.prefill_core_reference,
         )
     if backend == "pallas":
-        import pallas_kernels as pk
+        from pallas_kernels.chunk import prefill_core
+        from pallas_kernels.conv import conv_decode, conv_prefill
+        from pallas_kernels.gemv import proj
+        from pallas_kernels.recurrent import decode_core
 
         return Stages(
-            proj=pk.proj,
-            conv_decode=pk.conv_decode,
-            conv_prefill=pk.conv_prefill,
-            decode_core=pk.decode_core,
-            prefill_core=pk.prefill_core,
+            proj=proj,
+            conv_decode=conv_decode,
+            conv_prefill=conv_prefill,
+            decode_core=decode_core,
+            prefill_core=prefill_core,
         )
     raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
