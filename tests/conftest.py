@@ -57,7 +57,14 @@ def lower_for_h200(fn, *args, **kwargs) -> str:
     """
     from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
+    from pallas_kernels import common
+
     dev = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=dev)):
-        lowered = jax.jit(fn, **kwargs).trace(*args).lower(lowering_platforms=("cuda",))
-        return lowered.as_text()
+    saved = common.interpret
+    common.interpret = lambda: False  # lower the real Triton kernels, not the interpreter
+    try:
+        with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=dev)):
+            lowered = jax.jit(fn, **kwargs).trace(*args).lower(lowering_platforms=("cuda",))
+            return lowered.as_text()
+    finally:
+        common.interpret = saved
