@@ -1,0 +1,305 @@
+"""Decode-path timings on one GPU: the whole block, the verify, and the decode core against FLA.
+
+Kimi-Linear geometry (`preset("kimi-linear-48b")`), bf16 weights from `init_params`, random
+non-zero states. Every JAX figure is the median, over repetitions, of one jitted `fori_loop` of
+`n` dependent steps (the state, donated, is the loop carry; the block's output feeds the next
+step's input so nothing is loop-invariant), divided by `n`.
+
+Cases:
+- `decode`: `kda_jax.forward.decode` at B = 1, 8, 64, backends pallas and xla. Floor: the
+  weights read once plus the state read and written, at 4.3 TB/s. Baseline: xla at the same B.
+- `decode_k`: k = 2, 4, 8 at B = 1 (pallas). Floor: weights once, the state read once and
+  written k times (the snapshots). Baseline: k serial pallas `decode` steps.
+- `decode_core`: L2 of raw q, k + gate + beta + recurrence + read-out (+ our gated RMSNorm,
+  which FLA does not do) on bf16 inputs at B = 1, 8, 64, H = 32, K = V = 128, for several V tiles
+  of the recurrent kernel (the first pallas record is the default tiling; block_v = V fuses the
+  RMSNorm, smaller tiles add an o_norm launch) and for the xla reference. Baseline: FLA 0.6.0
+  `fused_recurrent_kda` called as in SPEC §9 (CUDA-graph replay of 20 calls, median), in this
+  process; null with a printed reason when fla cannot import. (fla 0.6.0's public wrapper
+  swallows `inplace_final_state=True` in **kwargs and allocates the final state, as when the
+  reference figures were taken.)
+
+Each record: bench, shape, backend, time_us (null + error when the case failed), floor_us,
+fraction (= floor_us / time_us), baseline ({name, time_us} or null), date, commit, device, command.
+
+Usage: python benchmarks/bench_decode.py --out PATH [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # FLA shares the GPU
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kda_jax import forward  # noqa: E402
+from kda_jax.config import preset  # noqa: E402
+from kda_jax.params import init_params  # noqa: E402
+from kda_jax.state import KdaState  # noqa: E402
+from pallas_kernels import reference as ref  # noqa: E402
+from pallas_kernels.recurrent import RecurrentBlockSizes, _decode_core  # noqa: E402
+
+BANDWIDTH = 4.3e12  # B/s, the H200's measured copy bandwidth (SPEC §9)
+FLA_NAME = "fla 0.6.0 fused_recurrent_kda"
+
+
+def _meta():
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    commit = os.environ.get("KDA_COMMIT") or commit
+    return dict(
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        commit=commit,
+        device=jax.devices()[0].device_kind,
+        command=" ".join([os.path.basename(sys.executable), *sys.argv]),
+    )
+
+
+def time_loop(step, carry, n: int, reps: int, unroll: int = 2) -> float:
+    """Median µs per step of `carry = step(carry)` run n times inside one jit (carry donated)."""
+    loop = jax.jit(
+        lambda c: lax.fori_loop(0, n, lambda i, c: step(c), c, unroll=unroll), donate_argnums=0
+    )
+    for _ in range(2):  # compile and warm up
+        carry = jax.block_until_ready(loop(carry))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        carry = jax.block_until_ready(loop(carry))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / n * 1e6
+
+
+def random_state(cfg, batch, key):
+    k1, k2 = jax.random.split(key)
+    return KdaState(
+        recurrent=0.1 * jax.random.normal(k1, cfg.recurrent_state_shape(batch), jnp.float32),
+        conv=jax.random.normal(k2, cfg.conv_state_shape(batch), jnp.float32),
+    )
+
+
+def _decode_step(params, cfg, backend):
+    def step(carry):
+        y, state = forward.decode(params, cfg, carry[0], carry[1], backend=backend)
+        return y.astype(carry[0].dtype), state
+
+    return step
+
+
+def _decode_k_step(params, cfg):
+    def step(carry):
+        y, state, _ = forward.decode_k(params, cfg, carry[0], carry[1], backend="pallas")
+        return y.astype(carry[0].dtype), state
+
+    return step
+
+
+def bench_block(cfg, params, batches, n, reps, records, meta):
+    """Whole-block decode, both backends, and decode_k at B = 1."""
+    times = {}
+    for backend in ("xla", "pallas"):
+        for b in batches:
+            key = jax.random.key(b)
+            x = jax.random.normal(key, (b, cfg.hidden), jnp.float32).astype(params.dtype)
+            run = functools.partial(
+                time_loop, _decode_step(params, cfg, backend), (x, random_state(cfg, b, key)),
+                n, reps,
+            )
+            floor = (cfg.weight_bytes() + 2 * b * cfg.state_bytes()) / BANDWIDTH * 1e6
+            shape = f"B={b},D={cfg.hidden},H={cfg.heads},K={cfg.head_dim}"
+            base = None if backend == "xla" else times.get(("xla", b))
+            times[backend, b] = _record(
+                records, meta, "decode", shape, backend, run, floor, base, "xla decode"
+            )
+    b = 1
+    serial = times.get(("pallas", b))
+    for k in (2, 4, 8):
+        key = jax.random.key(100 + k)
+        x = jax.random.normal(key, (b, k, cfg.hidden), jnp.float32).astype(params.dtype)
+        run = functools.partial(
+            time_loop, _decode_k_step(params, cfg), (x, random_state(cfg, b, key)), n, reps
+        )
+        # The state is read once and written k times (the snapshots).
+        floor = (cfg.weight_bytes() + (1 + k) * b * cfg.state_bytes()) / BANDWIDTH * 1e6
+        shape = f"B={b},k={k},D={cfg.hidden},H={cfg.heads}"
+        base = None if serial is None else k * serial
+        _record(records, meta, "decode_k", shape, "pallas", run, floor, base,
+                f"{k} serial pallas decode")
+
+
+def _record(records, meta, bench, shape, backend, run, floor, base_us, base_name):
+    """Runs one case and appends its record; returns µs per step, or None when it failed (the
+    record then holds time_us null and the error). `fraction` = floor / time."""
+    rec = dict(bench=bench, shape=shape, backend=backend, floor_us=round(floor, 2))
+    t = None
+    try:
+        t = run()
+        rec.update(time_us=round(t, 2), fraction=round(floor / t, 3))
+    except Exception as e:  # noqa: BLE001 - reported, never hidden
+        rec.update(time_us=None, fraction=None, error=f"{type(e).__name__}: {e}"[:400])
+        print(f"[{bench} {shape} {backend}] failed: {rec['error']}", file=sys.stderr)
+    rec["baseline"] = None if base_us is None else dict(name=base_name, time_us=round(base_us, 2))
+    rec.update(meta)
+    records.append(rec)
+    return t
+
+
+def _core_inputs(b, h, kd, key):
+    """bf16 raw q, k, v, f, z [B, 1, ...], beta logits, fp32 params (FLA's input set + z, w)."""
+    ks = jax.random.split(key, 9)
+    bf = jnp.bfloat16
+    rows = lambda i, *s: jax.random.normal(ks[i], (b, 1, *s), jnp.float32).astype(bf)  # noqa
+    q, k, v = rows(0, h, kd), rows(1, h, kd), rows(2, h, kd)
+    f, z, beta = rows(3, h * kd), rows(4, h * kd), rows(5, h)
+    a_log = jnp.log(jax.random.uniform(ks[6], (h,), jnp.float32, 0.5, 1.5))
+    dt_bias = jax.random.normal(ks[7], (h * kd,), jnp.float32) - 3.0
+    w = 1.0 + 0.1 * jax.random.normal(ks[8], (kd,), jnp.float32)
+    state = 0.1 * jax.random.normal(ks[0], (b, h, kd, kd), jnp.float32)
+    return (q, k, v, f, beta, z), (a_log, dt_bias, w), state
+
+
+def fla_core_us(b, h, kd, reps):
+    """FLA's fused_recurrent_kda, as SPEC §9 took its figures; raises if fla is missing."""
+    import torch
+    from fla.ops.kda import fused_recurrent_kda
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(b)
+    rnd = lambda *s, dt=torch.bfloat16: torch.randn(*s, generator=gen, device=dev).to(dt)  # noqa
+    q, k, v, g = (rnd(b, 1, h, kd) for _ in range(4))
+    beta = rnd(b, 1, h)
+    a_log = rnd(h, dt=torch.float32)
+    dt_bias = rnd(h * kd, dt=torch.float32)
+    h0 = 0.1 * rnd(b, h, kd, kd, dt=torch.float32)
+
+    def call():
+        # fla 0.6.0's public wrapper takes inplace_final_state through **kwargs (SPEC §9 call).
+        return fused_recurrent_kda(
+            q, k, v, g, beta, A_log=a_log, dt_bias=dt_bias, initial_state=h0,
+            output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, inplace_final_state=True,
+        )
+
+    calls = 20
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                call()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                call()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def bench_core(cfg, batches, n, reps, records, meta):
+    h, kd = cfg.heads, cfg.head_dim
+    kw = dict(scale=cfg.scale, lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps,
+              snapshots=False, out_dtype=jnp.bfloat16)
+
+    for b in batches:
+        try:
+            fla = fla_core_us(b, h, kd, reps)
+        except Exception as e:  # noqa: BLE001 - the reason is printed and baseline is null
+            fla = None
+            print(f"[decode_core B={b}] FLA baseline unavailable: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+        acts, params, state = _core_inputs(b, h, kd, jax.random.key(b))
+        q, k, v, f, beta, z = acts
+        io_bytes = sum(a.size * a.dtype.itemsize for a in acts) + z.size * 2  # inputs + y
+        floor = (2 * state.size * 4 + io_bytes) / BANDWIDTH * 1e6
+        shape = f"B={b},H={h},K={kd},R=1"
+        default = RecurrentBlockSizes.default_for(b, h, kd, kd)
+        variants = [(f"pallas[block_v={default.block_v}]", default)] + [
+            (f"pallas[block_v={bv}]", RecurrentBlockSizes.with_block_v(kd, bv))
+            for bv in (kd, kd // 2, kd // 4) if bv != default.block_v
+        ]
+        for name, block in variants:
+            step = functools.partial(_pallas_core_step, acts, params, kw, cfg.l2_eps, block)
+            run = functools.partial(time_loop, step, state + 0.0, n, reps, unroll=4)
+            _record(records, meta, "decode_core", shape, name, run, floor, fla, FLA_NAME)
+        step = functools.partial(_xla_core_step, acts, params, kw, cfg.l2_eps)
+        run = functools.partial(time_loop, step, state + 0.0, n, reps, unroll=4)
+        _record(records, meta, "decode_core", shape, "xla", run, floor, fla, FLA_NAME)
+
+
+def _pallas_core_step(acts, params, kw, l2_eps, block, state):
+    """Raw q, k L2-normalised in the recurrent kernel, gate/beta/RMSNorm fused: one launch."""
+    q, k, v, f, beta, z = acts
+    return _decode_core(q, k, v, f, beta, z, state, *params, **kw, l2_eps=l2_eps, block=block)[1]
+
+
+def _xla_core_step(acts, params, kw, l2_eps, state):
+    def l2(x):
+        x = x.astype(jnp.float32)
+        return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + l2_eps)
+
+    q, k, v, f, beta, z = acts
+    return ref.decode_core_reference(l2(q), l2(k), v, f, beta, z, state, *params, **kw)[1]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON file for the list of records")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    args = parser.parse_args()
+    cfg = preset("kimi-linear-48b")
+    params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    meta = _meta()
+    batches = (1, 64) if args.quick else (1, 8, 64)
+    reps = 3 if args.quick else 7
+    records = []
+    bench_core(cfg, batches, 100 if args.quick else 200, reps, records, meta)
+    bench_block(cfg, params, batches, 20 if args.quick else 50, reps, records, meta)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(records, fh, indent=1)
+    print(f"\n{'bench':<12}{'shape':<34}{'backend':<22}{'time_us':>9}{'floor_us':>9}"
+          f"{'x_floor':>8}  baseline")
+    for r in records:
+        t = r["time_us"]
+        base = r["baseline"]
+        base_s = "-" if base is None else f"{base['name']}: {base['time_us']} us"
+        x_floor = "-" if t is None else f"{t / r['floor_us']:.2f}"
+        t_s = "FAILED" if t is None else f"{t:.1f}"
+        print(f"{r['bench']:<12}{r['shape']:<34}{r['backend']:<22}{t_s:>9}"
+              f"{r['floor_us']:>9.1f}{x_floor:>8}  {base_s}")
+    print(f"wrote {len(records)} records to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

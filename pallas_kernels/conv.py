@@ -1,0 +1,283 @@
+"""Short causal depthwise conv + SiLU + per-head L2 of q and k (SPEC §1), decode and prefill.
+
+`y[t, c] = SiLU(sum_{j<W} w[c, j] * x[t-W+1+j, c])`, then every head_dim group of the first
+`qk_channels` channels (q and k) is scaled by `rsqrt(sum y^2 + l2_eps)`; v passes unnormalised.
+
+Channels are viewed as `C/K` head groups of `K = head_dim` lanes (`c = group*K + d`, a free
+reshape), and a program owns `block_heads` whole groups, so the L2 reduction never leaves it.
+Groups `< qk_channels / K` are q or k heads; a tile may straddle the q|k|v boundaries. Rows walk
+in order inside the kernel with the W-1 previous raw inputs carried in registers; every row, in
+decode and prefill alike, goes through `_conv_row`, the one place the arithmetic order is fixed,
+so R rows of one `conv_decode` call give the bits of R serial 1-row calls.
+
+Conv state layout (`KdaState.conv`): [B, W-1, C] fp32, oldest first (`[:, -1]` = previous row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels import common
+
+__all__ = ["ConvBlockSizes", "conv_decode", "conv_prefill"]
+
+f32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvBlockSizes:
+    """Tiling of the conv kernels.
+
+    Attributes:
+      block_heads: head groups (of K channels) per program, a power of two dividing C/K.
+      block_t: rows per program along T (prefill only; any positive int).
+      num_warps: Triton warps per program.
+    """
+
+    block_heads: int
+    block_t: int = 1
+    num_warps: int = 4
+
+    @staticmethod
+    def default_for(batch: int, t: int, groups: int, head_dim: int) -> ConvBlockSizes:
+        """Decode (t = 1): small channel tiles so that B = 1 still gives dozens of programs;
+        prefill (t = T): ~1K channels x 64 rows per program. conv_decode passes t = 1 whatever R
+        is, so R never changes the tiling (bit-equality with serial calls)."""
+        divisor = groups & -groups
+        if t <= 1:
+            lanes = 256 if batch <= 8 else 1024
+            return ConvBlockSizes(block_heads=min(divisor, max(1, lanes // head_dim)))
+        return ConvBlockSizes(
+            block_heads=min(divisor, max(1, 1024 // head_dim)), block_t=min(64, t)
+        )
+
+
+def _conv_row(window, x_row, taps, qk_mask, l2_eps):
+    """One output row. window: W-1 tiles [HB, K] fp32 (oldest first); x_row: [HB, K] fp32;
+    taps: W tiles [HB, K] fp32; qk_mask: [HB, 1] bool (q/k heads). Returns [HB, K] fp32."""
+    y = taps[0] * window[0]
+    for j in range(1, len(window)):
+        y = y + taps[j] * window[j]
+    y = y + taps[-1] * x_row
+    y = y * jax.nn.sigmoid(y)
+    inv = lax.rsqrt(jnp.sum(y * y, axis=-1, keepdims=True) + l2_eps)
+    return jnp.where(qk_mask, y * inv, y)
+
+
+def _qk_mask(block_heads: int, qk_groups: int):
+    """[HB, 1] bool: which head groups of this program's tile are q or k."""
+    group = pl.program_id(1) * block_heads + lax.broadcasted_iota(jnp.int32, (block_heads, 1), 0)
+    return group < qk_groups
+
+
+def _conv_decode_kernel(x_ref, state_ref, *refs, rows, width, qk_groups, l2_eps):
+    """x_ref: [R, HB, K]; state_ref: [W-1, HB, K]; refs: W tap refs [HB, K], then
+    out_ref [R, HB, K] and states_ref [R, W-1, HB, K]."""
+    tap_refs, (out_ref, states_ref) = refs[:width], refs[width:]
+    taps = [r[...].astype(f32) for r in tap_refs]
+    qk_mask = _qk_mask(x_ref.shape[1], qk_groups)
+    window = [state_ref[j].astype(f32) for j in range(width - 1)]
+    for r in range(rows):
+        x_row = x_ref[r].astype(f32)
+        out_ref[r] = _conv_row(window, x_row, taps, qk_mask, l2_eps)
+        window = window[1:] + [x_row]
+        for j in range(width - 1):
+            states_ref[r, j] = window[j]
+
+
+def _tap_specs(width: int, hb: int, k: int, index_of_group):
+    """W BlockSpecs over w viewed as [C/K, K, W], one per tap column."""
+    return [
+        pl.BlockSpec((hb, k, None), lambda *ids, j=j: (index_of_group(*ids), 0, j))
+        for j in range(width)
+    ]
+
+
+def _check(x, conv_state, w, qk_channels, head_dim, what):
+    b, _, c = x.shape
+    width = w.shape[1]
+    if tuple(w.shape) != (c, width) or tuple(conv_state.shape) != (b, width - 1, c):
+        raise ValueError(
+            f"{what}: x {x.shape}, conv_state {conv_state.shape}, w {w.shape}: expected "
+            "x [B, R|T, C], conv_state [B, W-1, C], w [C, W]"
+        )
+    if head_dim & (head_dim - 1) or c % head_dim or qk_channels % head_dim or qk_channels > c:
+        raise ValueError(
+            f"{what}: C={c}, qk_channels={qk_channels}, head_dim={head_dim}: head_dim must be a "
+            "power of two dividing C and qk_channels (whole heads per channel tile)"
+        )
+    if width < 2:
+        raise ValueError(f"{what}: conv width W={width} must be >= 2")
+
+
+def conv_decode(
+    x: jax.Array,
+    conv_state: jax.Array,
+    w: jax.Array,
+    *,
+    qk_channels: int,
+    head_dim: int,
+    l2_eps: float,
+) -> tuple[jax.Array, jax.Array]:
+    """Conv step for R new rows per sequence; the kernel of `reference.conv_decode_reference`.
+
+    Args:
+      x: [B, R, C] raw (pre-conv) q|k|v rows, any float dtype.
+      conv_state: [B, W-1, C] fp32, the last W-1 raw inputs, oldest first.
+      w: [C, W] fp32 taps; w[:, W-1] multiplies the current row.
+      qk_channels: the leading channels (q|k) to L2-normalise per head.
+      head_dim: K, the L2 group size.
+      l2_eps: added to the sum of squares before rsqrt.
+    Returns:
+      out: [B, R, C] fp32, SiLU(conv) with q and k L2-normalised per head.
+      states: [B, R, W-1, C] fp32, the conv state after each row (states[:, -1] is the new one).
+    """
+    _check(x, conv_state, w, qk_channels, head_dim, "conv_decode")
+    b, r, c = x.shape
+    width, k = w.shape[1], head_dim
+    groups = c // k
+    blk = ConvBlockSizes.default_for(b, 1, groups, k)
+    hb = blk.block_heads
+    kernel = functools.partial(
+        _conv_decode_kernel, rows=r, width=width, qk_groups=qk_channels // k, l2_eps=l2_eps
+    )
+    out, states = pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((b, r, groups, k), f32),
+            jax.ShapeDtypeStruct((b, r, width - 1, groups, k), f32),
+        ),
+        grid=(b, groups // hb),
+        in_specs=[
+            pl.BlockSpec((None, r, hb, k), lambda i, j: (i, 0, j, 0)),
+            pl.BlockSpec((None, width - 1, hb, k), lambda i, j: (i, 0, j, 0)),
+            *_tap_specs(width, hb, k, lambda i, j: j),
+        ],
+        out_specs=(
+            pl.BlockSpec((None, r, hb, k), lambda i, j: (i, 0, j, 0)),
+            pl.BlockSpec((None, r, width - 1, hb, k), lambda i, j: (i, 0, 0, j, 0)),
+        ),
+        compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),
+        name="kda_conv_decode",
+        interpret=common.interpret(),
+    )(
+        x.reshape(b, r, groups, k),
+        conv_state.reshape(b, width - 1, groups, k),
+        *([w.reshape(groups, k, width)] * width),
+    )
+    return out.reshape(b, r, c), states.reshape(b, r, width - 1, c)
+
+
+def _conv_prefill_kernel(
+    len_ref, x_ref, state_ref, *refs, width, block_t, t_total, qk_groups, l2_eps
+):
+    """len_ref: [1] int32 (this sequence); x_ref: [T, HB, K] (the whole sequence, rows loaded one
+    at a time); state_ref: [W-1, HB, K]; refs: W tap refs [HB, K], then out_ref [T, HB, K] and
+    new_state_ref [W-1, HB, K]."""
+    tap_refs, (out_ref, new_state_ref) = refs[:width], refs[width:]
+    length = len_ref[0]
+    taps = [r[...].astype(f32) for r in tap_refs]
+    qk_mask = _qk_mask(x_ref.shape[1], qk_groups)
+    t0 = pl.program_id(2) * block_t
+
+    def raw(pos):
+        """Raw input at position pos (>= -(W-1)) as fp32: from x, or from the old conv state
+        before the sequence start. Both loads stay in bounds; the select picks one."""
+        from_x = x_ref[jnp.clip(pos, 0, t_total - 1)].astype(f32)
+        from_state = state_ref[jnp.clip(pos + width - 1, 0, width - 2)].astype(f32)
+        return jnp.where(pos >= 0, from_x, from_state)
+
+    def row(i, window):
+        t = t0 + i
+        x_row = x_ref[jnp.minimum(t, t_total - 1)].astype(f32)
+        y = _conv_row(window, x_row, taps, qk_mask, l2_eps)
+
+        @pl.when(t < t_total)
+        def _():
+            out_ref[t] = jnp.where(t < length, y, 0.0).astype(out_ref.dtype)
+
+        return (*window[1:], x_row)
+
+    window = tuple(raw(t0 - (width - 1) + j) for j in range(width - 1))
+    lax.fori_loop(0, block_t, row, window)
+
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+        for j in range(width - 1):
+            new_state_ref[j] = raw(length - (width - 1) + j)
+
+
+def conv_prefill(
+    x: jax.Array,
+    conv_state: jax.Array,
+    w: jax.Array,
+    lengths: jax.Array,
+    *,
+    qk_channels: int,
+    head_dim: int,
+    l2_eps: float,
+    out_dtype=jnp.float32,
+) -> tuple[jax.Array, jax.Array]:
+    """Causal conv over T padded tokens; the kernel of `reference.conv_prefill_reference`.
+
+    Args:
+      x: [B, T, C] raw q|k|v, any float dtype; positions t >= lengths[b] may hold anything
+        (NaN included): they never reach a real output or the new state.
+      conv_state: [B, W-1, C] fp32, oldest first.
+      w: [C, W] fp32 taps.
+      lengths: [B] int, real tokens per row (0 <= lengths <= T).
+      qk_channels, head_dim, l2_eps: as in `conv_decode`.
+      out_dtype: dtype of out.
+    Returns:
+      out: [B, T, C] out_dtype, SiLU(conv) with q, k L2-normalised, exactly 0 at pad positions.
+      new_state: [B, W-1, C] fp32, the last W-1 raw inputs before position lengths[b] (from the
+        old state where lengths[b] < W-1).
+    """
+    _check(x, conv_state, w, qk_channels, head_dim, "conv_prefill")
+    b, t, c = x.shape
+    if tuple(lengths.shape) != (b,):
+        raise ValueError(f"conv_prefill: lengths has shape {lengths.shape}, expected ({b},)")
+    width, k = w.shape[1], head_dim
+    groups = c // k
+    if t == 0:
+        return jnp.zeros((b, 0, c), out_dtype), conv_state.astype(f32)
+    blk = ConvBlockSizes.default_for(b, t, groups, k)
+    hb, bt = blk.block_heads, blk.block_t
+    kernel = functools.partial(
+        _conv_prefill_kernel, width=width, block_t=bt, t_total=t,
+        qk_groups=qk_channels // k, l2_eps=l2_eps,
+    )
+    seq_spec = pl.BlockSpec((None, t, hb, k), lambda i, j, s: (i, 0, j, 0))
+    state_spec = pl.BlockSpec((None, width - 1, hb, k), lambda i, j, s: (i, 0, j, 0))
+    out, new_state = pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((b, t, groups, k), out_dtype),
+            jax.ShapeDtypeStruct((b, width - 1, groups, k), f32),
+        ),
+        # Time tiles last so a sequence's channel tile is visited by consecutive programs.
+        grid=(b, groups // hb, common.cdiv(t, bt)),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j, s: (i,)),
+            seq_spec,
+            state_spec,
+            *_tap_specs(width, hb, k, lambda i, j, s: j),
+        ],
+        out_specs=(seq_spec, state_spec),
+        compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=2),
+        name="kda_conv_prefill",
+        interpret=common.interpret(),
+    )(
+        jnp.clip(lengths.astype(jnp.int32), 0, t),
+        x.reshape(b, t, groups, k),
+        conv_state.astype(f32).reshape(b, width - 1, groups, k),
+        *([w.reshape(groups, k, width)] * width),
+    )
+    return out.reshape(b, t, c), new_state.reshape(b, width - 1, c)

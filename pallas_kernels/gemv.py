@@ -1,0 +1,247 @@
+"""Decode projections: y = x @ w.T for a few rows, one sweep over the weight (Triton backend).
+
+Shapes (SPEC notation): x [M, D] activations, w [N, D] weight in torch `[out, in]` layout (bf16 or
+fp32), y [M, N]. The block's real weights: w_in [3P + 2K + H, D] = [12576, 2304] (58 MB in bf16),
+o_proj [D, P] = [2304, 4096], f_b and g_b [P, K] = [4096, 128].
+
+A decode step reads every weight once and does almost no arithmetic, so the kernels are
+bandwidth kernels: program `i` owns rows [i*block_n, (i+1)*block_n) of w and walks the whole of D in
+power-of-two slices of `block_d` columns (2304 = 9 * 256), streaming each weight byte once; the
+last row tile and a ragged last D slice are masked, so N and D need not be tile multiples.
+
+Bit equality between `gemv` and `gemv_batchm` (what makes `decode_k` equal k serial `decode`s):
+both run ONE program, `_gemv_kernel`, whose activation tile always has `_ROWS` = 16 rows (the
+smallest tensor-core tile); rows at or past M are masked to zero on load and never stored. Each
+output element is then the same chain of products and fp32 accumulations (tensor-core MMA for
+bf16, IEEE fp32 FMA for fp32 weights), in the same order (D slices in sequence), whatever M is and
+whatever the other rows hold: a row's bits cannot depend on M. The block sizes must match too, so
+`GemvBlockSizes.default_for` ignores M in 1..8. (Elementwise products with a per-row reduction
+would also be M-independent but cost 8x the CUDA-core work at M = 8; an M = 16 MMA is free.)
+
+`proj` is the stage function the block's forward calls (signature of
+`reference.gemv_reference`); it dispatches on M (see its docstring).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels import common
+from pallas_kernels import reference as ref
+
+__all__ = ["GemvBlockSizes", "MAX_KERNEL_ROWS", "gemv", "gemv_batchm", "proj"]
+
+# Rows of every activation tile: M is padded (by masking) to the smallest tensor-core tile.
+_ROWS = 16
+# Most rows the kernel serves; above it `proj` hands the product to XLA's dot (cuBLAS).
+MAX_KERNEL_ROWS = 8
+# Enough programs to give each of the H200's 132 SMs at least two row tiles.
+_TARGET_PROGRAMS = 2 * 132
+_WEIGHT_DTYPES = (jnp.bfloat16, jnp.float32)
+
+
+def _largest_pow2_divisor(n: int) -> int:
+    return n & -n
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvBlockSizes:
+    """Static tiling of one weight sweep.
+
+    Attributes:
+      block_n: weight rows per program (power of two, >= 16: the tensor-core N).
+      block_d: weight columns per inner-loop step (power of two, >= 16: the tensor-core K).
+      num_warps: warps per program.
+      num_stages: depth of Triton's software pipeline over the D loop (loads in flight).
+    """
+
+    block_n: int
+    block_d: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self):
+        for name in ("block_n", "block_d"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemvBlockSizes.{name}={v}: expected a power of two >= 16")
+
+    @classmethod
+    def default_for(cls, n: int, d: int, m: int = 1, dtype=jnp.bfloat16) -> GemvBlockSizes:
+        """Block sizes for w [n, d] of `dtype` and x [m, d], m <= MAX_KERNEL_ROWS.
+
+        The result does not depend on m: `gemv` and `gemv_batchm` must run the same program for
+        their rows to agree bit for bit (module docstring); m is validated only.
+        - block_d: the largest power of two dividing d, up to 256 columns for bf16 (512 B per row
+          slice, 16-byte loads across a warp) or 128 for fp32; when d has no such divisor >= 32
+          (d = 176 = 11 * 16), the next power of two above d (up to the same cap) and a masked
+          last slice instead of many thin steps.
+        - block_n: the largest of 64, 32, 16 rows that still yields >= 2 programs per SM
+          (w_in: 32 -> 393 programs; o_proj: 16 -> 144), else 16.
+        """
+        if not 1 <= m <= MAX_KERNEL_ROWS:
+            raise ValueError(f"default_for: m={m} rows, expected 1 <= m <= {MAX_KERNEL_ROWS}")
+        cap = 256 if jnp.dtype(dtype).itemsize <= 2 else 128
+        block_d = min(cap, _largest_pow2_divisor(d))
+        if block_d < 32 and d > block_d:
+            block_d = min(cap, common.next_pow2(d))
+        block_d = max(16, block_d)
+        block_n = 16
+        for cand in (64, 32):
+            if common.cdiv(n, cand) >= _TARGET_PROGRAMS:
+                block_n = cand
+                break
+        return cls(block_n=block_n, block_d=block_d)
+
+
+def _gemv_kernel(x_ref, w_ref, y_ref, *, m: int, n: int, d: int, block_n: int, block_d: int):
+    """One program: y[:m, n0:n0+block_n] for n0 = program_id * block_n.
+
+    x_ref: [m, d] (any float dtype, cast to w's dtype on load, as the reference does);
+    w_ref: [n, d]; y_ref: [m, n]. Loads and stores are masked at row m, row n and column d.
+    """
+    n0 = pl.program_id(0) * block_n
+    x_rows = lax.broadcasted_iota(jnp.int32, (_ROWS, block_d), 0) < m  # [_ROWS, block_d]
+    w_rows = n0 + lax.broadcasted_iota(jnp.int32, (block_n, block_d), 0) < n  # [block_n, block_d]
+    ragged_n = n % block_n != 0
+    ragged_d = d % block_d != 0
+
+    def step(i, acc):
+        k0 = pl.multiple_of(i * block_d, block_d)
+        x_mask, w_mask = x_rows, (w_rows if ragged_n else None)
+        if ragged_d:
+            x_cols = k0 + lax.broadcasted_iota(jnp.int32, (_ROWS, block_d), 1) < d
+            w_cols = k0 + lax.broadcasted_iota(jnp.int32, (block_n, block_d), 1) < d
+            x_mask = x_mask & x_cols
+            w_mask = w_cols if w_mask is None else w_mask & w_cols
+        xt = plt.load(x_ref.at[pl.ds(0, _ROWS), pl.ds(k0, block_d)], mask=x_mask, other=0)
+        wt = plt.load(
+            w_ref.at[pl.ds(n0, block_n), pl.ds(k0, block_d)],
+            mask=w_mask,
+            other=None if w_mask is None else 0,
+            eviction_policy="evict_first",  # every weight byte is read once: do not keep it
+        )
+        part = lax.dot_general(
+            xt.astype(wt.dtype),
+            wt,
+            (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            precision=lax.Precision.HIGHEST,  # fp32 weights: IEEE fp32, not TF32
+        )
+        return acc + part
+
+    acc = lax.fori_loop(0, common.cdiv(d, block_d), step, jnp.zeros((_ROWS, block_n), jnp.float32))
+    y_rows = lax.broadcasted_iota(jnp.int32, (_ROWS, block_n), 0) < m
+    y_cols = n0 + lax.broadcasted_iota(jnp.int32, (_ROWS, block_n), 1) < n
+    plt.store(
+        y_ref.at[pl.ds(0, _ROWS), pl.ds(n0, block_n)],
+        acc.astype(y_ref.dtype),
+        mask=y_rows & y_cols,
+    )
+
+
+def _check(x: jax.Array, w: jax.Array, what: str, m_range: tuple[int, int]) -> None:
+    if w.ndim != 2 or w.dtype not in _WEIGHT_DTYPES:
+        raise ValueError(
+            f"{what}: w has shape {tuple(w.shape)} and dtype {w.dtype}, expected [N, D] "
+            "bfloat16 or float32"
+        )
+    if x.ndim != 2 or x.shape[1] != w.shape[1] or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(
+            f"{what}: x has shape {tuple(x.shape)} and dtype {x.dtype}, expected [M, D] float "
+            f"with D = {w.shape[1]} (w is {tuple(w.shape)})"
+        )
+    lo, hi = m_range
+    if not lo <= x.shape[0] <= hi:
+        raise ValueError(f"{what}: x has M = {x.shape[0]} rows, expected {lo} <= M <= {hi}")
+
+
+def _sweep(x: jax.Array, w: jax.Array, *, out_dtype, block_sizes: GemvBlockSizes) -> jax.Array:
+    """x [M, D] (M <= 8) @ w[N, D].T -> [M, N] out_dtype, one pass over w."""
+    m, d = x.shape
+    n = w.shape[0]
+    bs = block_sizes
+    kernel = functools.partial(_gemv_kernel, m=m, n=n, d=d, block_n=bs.block_n, block_d=bs.block_d)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(common.cdiv(n, bs.block_n),),
+        compiler_params=plt.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        name="kda_gemv",
+        interpret=common.interpret(),
+    )(x, w)
+
+
+def _run(x, w, out_dtype, block_sizes, what, m_range):
+    _check(x, w, what, m_range)
+    n, d = w.shape
+    bs = block_sizes or GemvBlockSizes.default_for(n, d, x.shape[0], w.dtype)
+    out_dtype = jnp.dtype(out_dtype or w.dtype)
+    return _sweep(x, w, out_dtype=out_dtype, block_sizes=bs)
+
+
+def gemv(
+    x: jax.Array, w: jax.Array, *, out_dtype=None, block_sizes: GemvBlockSizes | None = None
+) -> jax.Array:
+    """One row: y = x @ w.T with fp32 accumulation, every weight byte read once.
+
+    Args:
+      x: [1, D] activations, any float dtype (cast to w.dtype first, as the reference does).
+      w: [N, D] bf16 or fp32 weight, torch `[out, in]` layout; N and D need not be tile multiples.
+      out_dtype: dtype of y (default: w.dtype).
+      block_sizes: tiling (default: `GemvBlockSizes.default_for`). Pass the same to
+        `gemv_batchm` when its rows must equal this function's bits.
+    Returns:
+      [1, N] out_dtype.
+    """
+    return _run(x, w, out_dtype, block_sizes, "gemv", (1, 1))
+
+
+def gemv_batchm(
+    x: jax.Array, w: jax.Array, *, out_dtype=None, block_sizes: GemvBlockSizes | None = None
+) -> jax.Array:
+    """2..8 rows in ONE sweep over w; row i has exactly the bits of `gemv(x[i:i+1], w)`.
+
+    Args:
+      x: [M, D] activations, 2 <= M <= 8, any float dtype (cast to w.dtype first).
+      w: [N, D] bf16 or fp32 weight, torch `[out, in]` layout.
+      out_dtype: dtype of y (default: w.dtype).
+      block_sizes: tiling (default: `GemvBlockSizes.default_for`, the same as `gemv`'s).
+    Returns:
+      [M, N] out_dtype.
+    """
+    return _run(x, w, out_dtype, block_sizes, "gemv_batchm", (2, MAX_KERNEL_ROWS))
+
+
+def proj(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
+    """The projection stage of the block: y = x @ w.T, fp32 accumulation (`gemv_reference`).
+
+    Dispatch on the row count M (a static shape, so one branch is traced):
+    - M == 1: `gemv`; 2 <= M <= 8: `gemv_batchm` (decode and the speculative verify, where the
+      product is bound by reading the weight once, and rows must agree bit for bit across M);
+    - M > 8: XLA's dot (`reference.gemv_reference`, cuBLAS on a GPU): with many rows the product
+      is a real matmul and cuBLAS's tensor-core tiles beat a weight-streaming kernel. This is a
+      deliberate split, not a fallback: rows there do not match the kernel path's bits.
+
+    Args:
+      x: [M, D], M >= 1, any float dtype; w: [N, D] bf16 or fp32 (any D, e.g. K = 128 for f_b).
+      out_dtype: dtype of y (default: w.dtype).
+    Returns:
+      [M, N] out_dtype.
+    """
+    if x.ndim != 2 or x.shape[0] < 1:
+        raise ValueError(f"proj: x has shape {tuple(x.shape)}, expected [M, D] with M >= 1")
+    m = x.shape[0]
+    if m == 1:
+        return gemv(x, w, out_dtype=out_dtype)
+    if m <= MAX_KERNEL_ROWS:
+        return gemv_batchm(x, w, out_dtype=out_dtype)
+    _check(x, w, "proj", (m, m))
+    return ref.gemv_reference(x, w, out_dtype=out_dtype)

@@ -1,0 +1,103 @@
+"""Sigmoid-gated RMSNorm of the core output (SPEC §1, `y_h`), one head per row.
+
+`y_h = o_h * rsqrt(mean_d o_h^2 + eps) * w * sigmoid(z_h)`, fp32 math and one cast at the end.
+Rows are (sequence, token, head) triples flattened to `N = prod(lead) * H` rows of `V` values;
+each program normalises a tile of `block_rows` whole rows, so the mean never crosses programs.
+`decode_core` fuses the same epilogue into the recurrent kernel when its V tile covers a whole
+head (`recurrent.py`); this kernel serves the prefill path and the split-V decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels import common
+
+__all__ = ["ONormBlockSizes", "o_norm"]
+
+f32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class ONormBlockSizes:
+    """Tiling of `o_norm`.
+
+    Attributes:
+      block_rows: rows (heads) per program, a power of two dividing the row count N.
+      num_warps: Triton warps per program.
+    """
+
+    block_rows: int
+    num_warps: int = 4
+
+    @staticmethod
+    def default_for(n_rows: int, v: int) -> ONormBlockSizes:
+        """About 8K values per program: the largest power of two dividing n_rows, capped."""
+        cap = max(1, 8192 // v)
+        largest_pow2_divisor = n_rows & -n_rows
+        return ONormBlockSizes(block_rows=min(cap, largest_pow2_divisor))
+
+
+def gated_rms_norm(o, z, w, eps: float):
+    """The fp32 epilogue shared with the fused recurrent kernel.
+
+    o, z: [..., V] fp32 rows (one head each); w: [V] fp32. Returns fp32 of o's shape.
+    """
+    inv = jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps)
+    return o * inv * w * jax.nn.sigmoid(z)
+
+
+def _o_norm_kernel(o_ref, z_ref, w_ref, y_ref, *, eps: float):
+    """o_ref, z_ref, y_ref: [block_rows, V]; w_ref: [V]."""
+    o = o_ref[...].astype(f32)
+    z = z_ref[...].astype(f32)
+    w = w_ref[...].astype(f32)
+    y_ref[...] = gated_rms_norm(o, z, w[None, :], eps).astype(y_ref.dtype)
+
+
+def o_norm(
+    o: jax.Array, z: jax.Array, w: jax.Array, *, eps: float, out_dtype=jnp.bfloat16
+) -> jax.Array:
+    """Sigmoid-gated RMSNorm per head; the kernel of `reference.o_norm_reference`.
+
+    Args:
+      o: [..., H, V] core output (fp32; any float dtype is read as fp32).
+      z: [..., H*V] output-gate projection, any float dtype.
+      w: [V] norm weight.
+      eps: the RMSNorm epsilon (cfg.rms_norm_eps).
+      out_dtype: dtype of the result.
+    Returns:
+      [..., H*V] out_dtype.
+    """
+    *lead, h, v = o.shape
+    if tuple(z.shape) != (*lead, h * v):
+        raise ValueError(
+            f"o_norm: z has shape {tuple(z.shape)}, expected {(*lead, h * v)} for o {o.shape}"
+        )
+    if tuple(w.shape) != (v,):
+        raise ValueError(f"o_norm: w has shape {tuple(w.shape)}, expected ({v},)")
+    if v & (v - 1):
+        raise ValueError(f"o_norm: V={v} must be a power of two (one head per Triton row)")
+    n = math.prod(lead) * h
+    if n == 0:
+        return jnp.zeros((*lead, h * v), out_dtype)
+    blk = ONormBlockSizes.default_for(n, v)
+    rows = lambda a: a.reshape(n, v)  # noqa: E731
+    spec = pl.BlockSpec((blk.block_rows, v), lambda i: (i, 0))
+    y = pl.pallas_call(
+        lambda *refs: _o_norm_kernel(*refs, eps=eps),
+        out_shape=jax.ShapeDtypeStruct((n, v), out_dtype),
+        grid=(n // blk.block_rows,),
+        in_specs=[spec, spec, pl.BlockSpec((v,), lambda i: (0,))],
+        out_specs=spec,
+        compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),
+        name="kda_o_norm",
+        interpret=common.interpret(),
+    )(rows(o), rows(z), w)
+    return y.reshape(*lead, h * v)

@@ -1,0 +1,156 @@
+"""conv_decode / conv_prefill kernels vs their references; R-row vs serial bit-equality."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ON_GPU, TOL, assert_close, lower_for_h200, normal
+
+from pallas_kernels import common
+from pallas_kernels.conv import conv_decode, conv_prefill
+from pallas_kernels.reference import conv_decode_reference, conv_prefill_reference
+
+# C = 3*H*K: 288 channels (9 head groups, not a power of two) on the CPU, Kimi-Linear on a GPU.
+B, H, K, W = (4, 32, 128, 4) if ON_GPU else (2, 3, 32, 4)
+C, QK = 3 * H * K, 2 * H * K
+L2_EPS = 1e-6
+FP32_TOL = TOL["fp32_gpu"] if ON_GPU else TOL["fp32_cpu"]
+KW = dict(qk_channels=QK, head_dim=K, l2_eps=L2_EPS)
+
+
+def _taps(key):
+    w = normal(key, (C, W), scale=0.5)
+    return w.at[:, -1].add(1.0)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_conv_decode_matches_reference(rng, rows, dtype):
+    kx, ks, kw = jax.random.split(rng, 3)
+    x = normal(kx, (B, rows, C), dtype)
+    state = normal(ks, (B, W - 1, C))
+    w = _taps(kw)
+    out, states = conv_decode(x, state, w, **KW)
+    out_ref, states_ref = conv_decode_reference(x, state, w, **KW)
+    assert out.shape == (B, rows, C) and out.dtype == jnp.float32
+    assert states.shape == (B, rows, W - 1, C) and states.dtype == jnp.float32
+    assert_close(out, out_ref, FP32_TOL, "conv_decode out")
+    np.testing.assert_array_equal(states, states_ref)  # the state is a copy of raw inputs
+    # q and k heads are unit vectors, v is not normalised.
+    norms = jnp.linalg.norm(out.reshape(B, rows, 3 * H, K), axis=-1)
+    np.testing.assert_allclose(norms[..., : 2 * H], 1.0, rtol=1e-4)
+
+
+def test_conv_decode_rows_equal_serial_bits(rng):
+    """Row r of a 3-row call == the 1-row call fed the state after row r-1, bit for bit."""
+    kx, ks, kw = jax.random.split(rng, 3)
+    x = normal(kx, (B, 3, C), jnp.bfloat16)
+    state = normal(ks, (B, W - 1, C))
+    w = _taps(kw)
+    out, states = jax.jit(lambda *a: conv_decode(*a, **KW))(x, state, w)
+    step = jax.jit(lambda *a: conv_decode(*a, **KW))
+    for r in range(3):
+        out_r, states_r = step(x[:, r : r + 1], state, w)
+        np.testing.assert_array_equal(out[:, r], out_r[:, 0])
+        np.testing.assert_array_equal(states[:, r], states_r[:, 0])
+        state = states_r[:, 0]
+
+
+@pytest.mark.parametrize("pad_value", [np.nan, 1e30])
+def test_conv_prefill_matches_reference_with_poisoned_pad(rng, pad_value):
+    """Carried state, lengths below W-1, 0 and T; pad positions hold NaN or 1e30."""
+    t = 77 if ON_GPU else 13  # not a multiple of the time tile
+    lengths = jnp.array([t, 2, 0, 9], jnp.int32)
+    kx, ks, kw = jax.random.split(rng, 3)
+    x = normal(kx, (len(lengths), t, C), jnp.bfloat16)
+    pad = jnp.arange(t)[None, :, None] >= lengths[:, None, None]
+    x = jnp.where(pad, jnp.asarray(pad_value, x.dtype), x)
+    state = normal(ks, (len(lengths), W - 1, C))
+    w = _taps(kw)
+    out, new_state = conv_prefill(x, state, w, lengths, **KW)
+    out_ref, new_state_ref = conv_prefill_reference(x, state, w, lengths, **KW)
+    assert out.shape == x.shape and out.dtype == jnp.float32
+    assert np.all(np.asarray(out)[np.broadcast_to(np.asarray(pad), out.shape)] == 0.0)
+    assert_close(out, out_ref, FP32_TOL, "conv_prefill out")
+    np.testing.assert_array_equal(new_state, new_state_ref)
+
+
+def test_conv_prefill_then_decode_equals_longer_prefill(rng):
+    """Prefill of T tokens == prefill of T-1 tokens, then one decode row (state carried)."""
+    t = 9
+    kx, ks, kw = jax.random.split(rng, 3)
+    x = normal(kx, (B, t, C))
+    state = normal(ks, (B, W - 1, C))
+    w = _taps(kw)
+    full, full_state = conv_prefill(x, state, w, jnp.full((B,), t, jnp.int32), **KW)
+    part, part_state = conv_prefill(x[:, :-1], state, w, jnp.full((B,), t - 1, jnp.int32), **KW)
+    last, states = conv_decode(x[:, -1:], part_state, w, **KW)
+    assert_close(part, full[:, :-1], FP32_TOL, "prefix")
+    assert_close(last[:, 0], full[:, -1], FP32_TOL, "decoded row")
+    np.testing.assert_array_equal(states[:, -1], full_state)
+
+
+def test_conv_prefill_out_dtype(rng):
+    kx, ks, kw = jax.random.split(rng, 3)
+    x = normal(kx, (B, 5, C))
+    state, w = normal(ks, (B, W - 1, C)), _taps(kw)
+    lengths = jnp.full((B,), 4, jnp.int32)
+    out, _ = conv_prefill(x, state, w, lengths, out_dtype=jnp.bfloat16, **KW)
+    out_ref, _ = conv_prefill_reference(x, state, w, lengths, out_dtype=jnp.bfloat16, **KW)
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, out_ref, TOL["bf16_stage"], "conv_prefill bf16 out")
+
+
+def test_conv_tiles_of_several_heads(rng):
+    """H = 4: 12 head groups, so each program owns several heads (the CPU default H = 3 gives
+    9 groups, one per program); carried state, poisoned pad."""
+    h = 4
+    c, kw = 3 * h * K, dict(qk_channels=2 * h * K, head_dim=K, l2_eps=L2_EPS)
+    kx, ks, kw_ = jax.random.split(rng, 3)
+    x = normal(kx, (2, 6, c), jnp.bfloat16)
+    state = normal(ks, (2, W - 1, c))
+    w = normal(kw_, (c, W), scale=0.5).at[:, -1].add(1.0)
+    out, states = conv_decode(x[:, :2], state, w, **kw)
+    out_ref, states_ref = conv_decode_reference(x[:, :2], state, w, **kw)
+    assert_close(out, out_ref, FP32_TOL, "conv_decode out")
+    np.testing.assert_array_equal(states, states_ref)
+    lengths = jnp.array([6, 4], jnp.int32)
+    x = jnp.where(jnp.arange(6)[None, :, None] >= lengths[:, None, None], jnp.nan, x)
+    out, new_state = conv_prefill(x, state, w, lengths, **kw)
+    out_ref, new_state_ref = conv_prefill_reference(x, state, w, lengths, **kw)
+    assert_close(out, out_ref, FP32_TOL, "conv_prefill out")
+    np.testing.assert_array_equal(new_state, new_state_ref)
+
+
+def test_conv_rejects_bad_shapes(rng):
+    x = normal(rng, (B, 1, C))
+    state, w = jnp.ones((B, W - 1, C)), jnp.ones((C, W))
+    with pytest.raises(ValueError, match="expected"):
+        conv_decode(x, state[:, 1:], w, **KW)
+    with pytest.raises(ValueError, match="head_dim"):
+        conv_decode(x, state, w, qk_channels=QK, head_dim=K + 1, l2_eps=L2_EPS)
+    with pytest.raises(ValueError, match="lengths"):
+        conv_prefill(x, state, w, jnp.ones((B + 1,), jnp.int32), **KW)
+
+
+KIMI = dict(qk_channels=2 * 4096, head_dim=128, l2_eps=L2_EPS)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_conv_decode_lowers_for_h200(monkeypatch, rows):
+    monkeypatch.setattr(common, "interpret", lambda: False)
+    x = jnp.ones((2, rows, 12288), jnp.bfloat16)
+    state, w = jnp.ones((2, 3, 12288)), jnp.ones((12288, 4))
+    text = lower_for_h200(lambda *a: conv_decode(*a, **KIMI), x, state, w)
+    assert "kda_conv_decode" in text
+
+
+def test_conv_prefill_lowers_for_h200(monkeypatch):
+    monkeypatch.setattr(common, "interpret", lambda: False)
+    x = jnp.ones((2, 100, 12288), jnp.bfloat16)
+    state, w = jnp.ones((2, 3, 12288)), jnp.ones((12288, 4))
+    lengths = jnp.array([100, 3], jnp.int32)
+    text = lower_for_h200(lambda *a: conv_prefill(*a, **KIMI), x, state, w, lengths)
+    assert "kda_conv_prefill" in text

@@ -1,0 +1,180 @@
+"""pallas_kernels/gemv.py: gemv, gemv_batchm and the proj dispatch against gemv_reference.
+
+On a CPU the kernels run in interpret mode at small odd shapes (N, D not tile multiples) and are
+cross-lowered for an H200 at the block's real shapes; on a GPU (ON_GPU) the same tests run compiled
+at the real shapes (Kimi-Linear: D = 2304, P = 4096, K = 128).
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ON_GPU, TOL, assert_close, lower_for_h200, normal
+
+from pallas_kernels import common
+from pallas_kernels import gemv as G
+from pallas_kernels import reference as ref
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+# The block's weights (N, D): w_in = q|k|v|f_a|g_a|b, o_proj, f_b (g_b has the same shape).
+W_IN, O_PROJ, F_B = (3 * 4096 + 2 * 128 + 32, 2304), (2304, 4096), (4096, 128)
+REAL_SHAPES = [W_IN, O_PROJ, F_B]
+# CPU: N = 100 leaves a ragged last row tile; D = 96 runs 3 slices of 32, D = 176 one masked
+# slice (bf16) or a full and a ragged one (fp32), D = 8 is below the tensor-core K of 16.
+SMALL_SHAPES = [(100, 96), (100, 176), (37, 8), (64, 128)]
+SHAPES = REAL_SHAPES if ON_GPU else SMALL_SHAPES
+FP32_TOL = TOL["fp32_gpu"] if ON_GPU else TOL["fp32_cpu"]
+
+
+def _inputs(key, n, d, m, x_dtype, w_dtype):
+    kx, kw = jax.random.split(key)
+    x = normal(kx, (m, d), x_dtype)
+    w = normal(kw, (n, d), w_dtype, scale=d**-0.5)
+    return x, w
+
+
+def _bits(a: jax.Array) -> np.ndarray:
+    return np.asarray(jax.lax.bitcast_convert_type(a, {2: jnp.uint16, 4: jnp.uint32}[a.itemsize]))
+
+
+def _exact_rows(got_rows, want_rows, what):
+    """Bitwise equality (also tells NaNs and signed zeros apart, unlike ==)."""
+    assert got_rows.dtype == want_rows.dtype, (got_rows.dtype, want_rows.dtype)
+    bad = np.argwhere(_bits(got_rows) != _bits(want_rows))
+    assert bad.size == 0, f"{what}: {len(bad)} elements differ in bits, first at {bad[:4].tolist()}"
+
+
+# --------------------------------------------------------------------------------------------
+# Correctness against the reference
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,d", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("w_dtype", [BF16, F32])
+def test_proj_matches_reference(rng, n, d, m, w_dtype):
+    x, w = _inputs(rng, n, d, m, F32, w_dtype)
+    want = ref.gemv_reference(x, w, out_dtype=F32)
+    # fp32 output isolates the accumulation (bf16 products are exact in fp32).
+    got = jax.jit(lambda x, w: G.proj(x, w, out_dtype=F32))(x, w)
+    chex.assert_shape(got, (m, n))
+    chex.assert_type(got, F32)
+    assert_close(got, want, FP32_TOL, f"proj fp32 out, w {w_dtype.__name__} [{n}, {d}], M={m}")
+    # Default out dtype = w.dtype: one rounding of the same sum.
+    got = jax.jit(G.proj)(x, w)
+    chex.assert_type(got, w_dtype)
+    tol = TOL["bf16_stage"] if w_dtype == BF16 else FP32_TOL
+    assert_close(got, ref.gemv_reference(x, w), tol, f"proj default out, M={m}")
+
+
+def test_x_is_cast_to_weight_dtype_first(rng):
+    """fp32 activations against bf16 weights round x to bf16 first, as the reference does."""
+    n, d = SHAPES[0]
+    x, w = _inputs(rng, n, d, 1, F32, BF16)
+    got = G.gemv(x, w, out_dtype=F32)
+    want = ref.gemv_reference(x.astype(BF16), w, out_dtype=F32)
+    assert_close(got, want, FP32_TOL, "gemv with fp32 x")
+
+
+# --------------------------------------------------------------------------------------------
+# gemv_batchm rows == gemv rows, bit for bit (what makes decode_k equal serial decodes)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,d", SHAPES[:2])
+@pytest.mark.parametrize("w_dtype", [BF16, F32])
+def test_batchm_rows_equal_gemv_bits(rng, n, d, w_dtype):
+    ms = range(2, 9) if ON_GPU else (2, 5, 8)
+    x8, w = _inputs(rng, n, d, 8, BF16, w_dtype)
+    # fp32 output first: a bf16 output would hide most differences in the accumulation order.
+    for out_dtype in (F32, w_dtype):
+        one = jax.jit(G.gemv, static_argnames="out_dtype")
+        many = jax.jit(G.gemv_batchm, static_argnames="out_dtype")
+        rows = [one(x8[i : i + 1], w, out_dtype=out_dtype) for i in range(8)]
+        for m in ms:
+            got = many(x8[:m], w, out_dtype=out_dtype)
+            chex.assert_shape(got, (m, n))
+            for i in range(m):
+                _exact_rows(got[i : i + 1], rows[i], f"gemv_batchm M={m} row {i} vs gemv")
+
+
+def test_batchm_rows_do_not_see_other_rows(rng):
+    """A row of inf/NaN leaves every other row's bits untouched (rows are independent)."""
+    n, d = SHAPES[0]
+    x, w = _inputs(rng, n, d, 4, BF16, BF16)
+    x = x.at[2].set(jnp.nan).at[1, 3].set(jnp.inf)
+    got = jax.jit(G.gemv_batchm, static_argnames="out_dtype")(x, w, out_dtype=F32)
+    for i in (0, 3):
+        want = G.gemv(x[i : i + 1], w, out_dtype=F32)
+        _exact_rows(got[i : i + 1], want, f"row {i} beside NaN/inf rows")
+    assert bool(jnp.all(jnp.isnan(got[2])))
+
+
+# --------------------------------------------------------------------------------------------
+# proj dispatch and small-K weights
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m,kernel", [(1, True), (3, True), (8, True), (12, False)])
+def test_proj_dispatch(rng, m, kernel):
+    n, k = F_B if ON_GPU else (64, 128)  # f_b / g_b: [P, K], x [M, K]
+    x, w = _inputs(rng, n, k, m, BF16, BF16)
+    jaxpr = str(jax.make_jaxpr(G.proj)(x, w))
+    assert ("pallas_call" in jaxpr) == kernel, f"M={m}: expected kernel={kernel}"
+    got = G.proj(x, w, out_dtype=F32)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T  # independent of XLA's dot
+    assert_close(got, want, FP32_TOL, f"proj M={m}")
+    if kernel and m > 1:
+        _exact_rows(got[:1], G.gemv(x[:1], w, out_dtype=F32), f"proj M={m} row 0")
+
+
+# --------------------------------------------------------------------------------------------
+# Bad inputs
+# --------------------------------------------------------------------------------------------
+def test_bad_inputs_are_refused():
+    x1 = jnp.ones((1, 96), BF16)
+    w = jnp.ones((100, 96), BF16)
+    with pytest.raises(ValueError, match="expected \\[M, D\\].*D = 96"):
+        G.gemv(jnp.ones((1, 95), BF16), w)
+    with pytest.raises(ValueError, match="expected \\[M, D\\]"):
+        G.proj(jnp.ones((96,), BF16), w)
+    with pytest.raises(ValueError, match="M = 2 rows, expected 1 <= M <= 1"):
+        G.gemv(jnp.ones((2, 96), BF16), w)
+    with pytest.raises(ValueError, match="M = 1 rows, expected 2 <= M <= 8"):
+        G.gemv_batchm(x1, w)
+    with pytest.raises(ValueError, match="M = 9 rows, expected 2 <= M <= 8"):
+        G.gemv_batchm(jnp.ones((9, 96), BF16), w)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        G.gemv(x1, w.astype(jnp.float16))
+    with pytest.raises(ValueError, match="expected \\[N, D\\]"):
+        G.gemv(x1, w[None])
+    with pytest.raises(ValueError, match="block_n=24: expected a power of two >= 16"):
+        G.GemvBlockSizes(block_n=24, block_d=32)
+    with pytest.raises(ValueError, match="m=9 rows"):
+        G.GemvBlockSizes.default_for(100, 96, 9)
+
+
+def test_default_block_sizes():
+    """Sizes ignore M (bit equality needs one program); w_in fills 132 SMs twice over."""
+    for n, d in REAL_SHAPES + SMALL_SHAPES:
+        sizes = {G.GemvBlockSizes.default_for(n, d, m) for m in range(1, 9)}
+        assert len(sizes) == 1, (n, d, sizes)
+    bs = G.GemvBlockSizes.default_for(*W_IN)
+    assert W_IN[1] % bs.block_d == 0 and common.cdiv(W_IN[0], bs.block_n) >= 2 * 132, bs
+    bs = G.GemvBlockSizes.default_for(*O_PROJ)
+    assert common.cdiv(O_PROJ[0], bs.block_n) >= 132, bs
+
+
+# --------------------------------------------------------------------------------------------
+# H200 cross-lowering at the real shapes (catches Triton lowering errors without a GPU)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,d", REAL_SHAPES)
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_lowers_for_h200(monkeypatch, n, d, m):
+    monkeypatch.setattr(common, "interpret", lambda: False)  # lower the real Triton kernel
+    for w_dtype in (BF16, F32) if (n, d) == O_PROJ else (BF16,):
+        x = jax.ShapeDtypeStruct((m, d), BF16)
+        w = jax.ShapeDtypeStruct((n, d), w_dtype)
+        fn = G.gemv if m == 1 else G.gemv_batchm
+        text = lower_for_h200(fn, x, w)
+        bs = G.GemvBlockSizes.default_for(n, d, m, w_dtype)
+        assert "xla.gpu.triton" in text, "no Triton kernel in the lowered module"
+        assert f"grid_x = {common.cdiv(n, bs.block_n)} " in text, "unexpected grid"

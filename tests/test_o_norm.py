@@ -1,0 +1,55 @@
+"""o_norm kernel vs reference.o_norm_reference (interpret mode on a CPU, compiled on a GPU)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import ON_GPU, TOL, assert_close, lower_for_h200, normal
+
+from pallas_kernels import common
+from pallas_kernels.o_norm import o_norm
+from pallas_kernels.reference import o_norm_reference
+
+EPS = 1e-5
+# Odd row counts on the CPU (3 heads of 32, 2 x 3 tokens); Kimi-Linear heads on a GPU.
+LEAD, H, V = ((4, 5), 32, 128) if ON_GPU else ((2, 3), 3, 32)
+FP32_TOL = TOL["fp32_gpu"] if ON_GPU else TOL["fp32_cpu"]
+
+
+def _inputs(rng, in_dtype):
+    ko, kz, kw = jax.random.split(rng, 3)
+    o = normal(ko, (*LEAD, H, V), scale=0.3)
+    z = normal(kz, (*LEAD, H * V), in_dtype, scale=2.0)
+    w = 1.0 + 0.1 * normal(kw, (V,))
+    return o, z, w
+
+
+@pytest.mark.parametrize("in_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_o_norm_matches_reference(rng, in_dtype, out_dtype):
+    o, z, w = _inputs(rng, in_dtype)
+    got = o_norm(o, z, w, eps=EPS, out_dtype=out_dtype)
+    ref = o_norm_reference(o, z, w, eps=EPS, out_dtype=out_dtype)
+    assert got.dtype == out_dtype and got.shape == (*LEAD, H * V)
+    tol = FP32_TOL if out_dtype == jnp.float32 else TOL["bf16_stage"]
+    assert_close(got, ref, tol, "o_norm")
+
+
+def test_o_norm_rejects_bad_shapes(rng):
+    o, z, w = _inputs(rng, jnp.float32)
+    with pytest.raises(ValueError, match="z has shape"):
+        o_norm(o, z[..., :-1], w, eps=EPS)
+    with pytest.raises(ValueError, match="w has shape"):
+        o_norm(o, z, w[:-1], eps=EPS)
+
+
+@pytest.mark.parametrize("rows", [(1, 1), (4, 8)])
+def test_o_norm_lowers_for_h200(monkeypatch, rows):
+    """Kimi-Linear heads (H=32, V=128), decode and a small prefill."""
+    monkeypatch.setattr(common, "interpret", lambda: False)
+    o = jnp.ones((*rows, 32, 128), jnp.float32)
+    z = jnp.ones((*rows, 32 * 128), jnp.bfloat16)
+    w = jnp.ones((128,), jnp.float32)
+    text = lower_for_h200(lambda *a: o_norm(*a, eps=EPS), o, z, w)
+    assert "kda_o_norm" in text
