@@ -22,11 +22,12 @@ Usage (on the GPU):
 from __future__ import annotations
 
 import argparse
-import os
 import dataclasses
 import datetime
+import itertools
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -192,34 +193,36 @@ def sweep_cases(args, device, target_s, reps):
         for m in (1, 8):
             x = jax.random.normal(key, (m, d), jnp.float32).astype(jnp.bfloat16)
             fn = G.gemv if m == 1 else G.gemv_batchm
-            for bn in (16, 32, 64):
-                for bd in (128, 256, 512):
-                    for warps, stages in ((4, 3), (4, 4), (8, 4)):
-                        smem = stages * (16 + bn) * bd * 2
-                        if smem > 200_000 or (m == 8 and not args.sweep_m8):
-                            continue
-                        bs = G.GemvBlockSizes(bn, bd, warps, stages)
-                        step = lambda x, w, bs=bs, fn=fn: fn(x, w, block_sizes=bs)  # noqa: E731
-                        try:
-                            t = time_calls(step, x, ws, max(floor, 3e-6), target_s, reps)
-                        except Exception as e:  # a candidate that does not compile is reported
-                            print(f"{name} M={m} {bs}: failed: {type(e).__name__}: {e}"[:300])
-                            continue
-                        shape = f"{name} [{n}, {d}] bf16, M={m}, {bn}x{bd} w{warps} s{stages}"
-                        rec = _record(
-                            args,
-                            device,
-                            "gemv_sweep",
-                            shape,
-                            "pallas",
-                            t,
-                            floor,
-                            None,
-                            block_sizes=dataclasses.asdict(bs),
-                            tbps=round(n * d * 2 / t / 1e12, 3),
-                        )
-                        records.append(rec)
-                        rows.append((shape, t, floor))
+            splits = (1,) if name == "w_in" else (1, 2, 4, 8)
+            for bn, bd, warps, stages, split in itertools.product(
+                (16, 32, 64), (128, 256), (4,), (3, 4), splits
+            ):
+                if m == 8 and not args.sweep_m8:
+                    continue
+                if (d // bd) % split:
+                    continue
+                bs = G.GemvBlockSizes(bn, bd, warps, stages, split)
+                step = lambda x, w, bs=bs, fn=fn: fn(x, w, block_sizes=bs)  # noqa: E731
+                try:
+                    t = time_calls(step, x, ws, max(floor, 3e-6), target_s, reps)
+                except Exception as e:  # a candidate that does not compile is reported
+                    print(f"{name} M={m} {bs}: failed: {type(e).__name__}: {e}"[:300])
+                    continue
+                shape = f"{name} [{n}, {d}] M={m}, {bn}x{bd} w{warps} s{stages} split{split}"
+                rec = _record(
+                    args,
+                    device,
+                    "gemv_sweep",
+                    shape,
+                    "pallas",
+                    t,
+                    floor,
+                    None,
+                    block_sizes=dataclasses.asdict(bs),
+                    tbps=round(n * d * 2 / t / 1e12, 3),
+                )
+                records.append(rec)
+                rows.append((shape, t, floor))
     print(f"\n{'case':60s} {'us':>8s} {'TB/s':>6s} {'floor':>7s}")
     for shape, t, floor in sorted(rows, key=lambda r: (r[0].split(",")[0], r[1])):
         print(f"{shape:60s} {t * 1e6:8.2f} {floor * 4.3 / t:6.2f} {floor * 1e6:7.2f}")

@@ -18,6 +18,11 @@ whatever the other rows hold: a row's bits cannot depend on M. The block sizes m
 `GemvBlockSizes.default_for` ignores M in 1..8. (Elementwise products with a per-row reduction
 would also be M-independent but cost 8x the CUDA-core work at M = 8; an M = 16 MMA is free.)
 
+Split reduction: a weight with few row tiles (o_proj, [2304, 4096]: 144 tiles of 16 rows) leaves
+most SMs idle, so its D axis is split into `split_d` contiguous ranges on a second grid axis; each
+program writes an fp32 partial sum and the partials are added afterwards in a fixed left-to-right
+order, elementwise: still the same chain of operations for every row whatever M is.
+
 `proj` is the stage function the block's forward calls (signature of
 `reference.gemv_reference`); it dispatches on M (see its docstring).
 """
@@ -60,12 +65,15 @@ class GemvBlockSizes:
       block_d: weight columns per inner-loop step (power of two, >= 16: the tensor-core K).
       num_warps: warps per program.
       num_stages: depth of Triton's software pipeline over the D loop (loads in flight).
+      split_d: contiguous D ranges reduced by separate programs (1: no split); each range is a
+        whole number of block_d slices.
     """
 
     block_n: int
     block_d: int
     num_warps: int = 4
     num_stages: int = 4
+    split_d: int = 1
 
     def __post_init__(self):
         for name in ("block_n", "block_d"):
@@ -98,23 +106,33 @@ class GemvBlockSizes:
             if common.cdiv(n, cand) >= _TARGET_PROGRAMS:
                 block_n = cand
                 break
-        return cls(block_n=block_n, block_d=block_d)
+        split_d = 1
+        while (
+            common.cdiv(n, block_n) * split_d < _TARGET_PROGRAMS
+            and d % (2 * split_d * block_d) == 0
+        ):
+            split_d *= 2
+        return cls(block_n=block_n, block_d=block_d, split_d=split_d)
 
 
-def _gemv_kernel(x_ref, w_ref, y_ref, *, m: int, n: int, d: int, block_n: int, block_d: int):
-    """One program: y[:m, n0:n0+block_n] for n0 = program_id * block_n.
+def _gemv_kernel(
+    x_ref, w_ref, y_ref, *, m: int, n: int, d: int, block_n: int, block_d: int, steps: int
+):
+    """One program: y[split, :m, n0:n0+block_n] for n0 = program_id(0) * block_n over the D
+    range of split = program_id(1) (`steps` slices of block_d).
 
     x_ref: [m, d] (any float dtype, cast to w's dtype on load, as the reference does);
-    w_ref: [n, d]; y_ref: [m, n]. Loads and stores are masked at row m, row n and column d.
+    w_ref: [n, d]; y_ref: [split_d, m, n]. Loads and stores are masked at row m, row n, column d.
     """
     n0 = pl.program_id(0) * block_n
+    first = pl.program_id(1) * steps
     x_rows = lax.broadcasted_iota(jnp.int32, (_ROWS, block_d), 0) < m  # [_ROWS, block_d]
     w_rows = n0 + lax.broadcasted_iota(jnp.int32, (block_n, block_d), 0) < n  # [block_n, block_d]
     ragged_n = n % block_n != 0
     ragged_d = d % block_d != 0
 
     def step(i, acc):
-        k0 = pl.multiple_of(i * block_d, block_d)
+        k0 = pl.multiple_of((first + i) * block_d, block_d)
         x_mask, w_mask = x_rows, (w_rows if ragged_n else None)
         if ragged_d:
             x_cols = k0 + lax.broadcasted_iota(jnp.int32, (_ROWS, block_d), 1) < d
@@ -137,11 +155,11 @@ def _gemv_kernel(x_ref, w_ref, y_ref, *, m: int, n: int, d: int, block_n: int, b
         )
         return acc + part
 
-    acc = lax.fori_loop(0, common.cdiv(d, block_d), step, jnp.zeros((_ROWS, block_n), jnp.float32))
+    acc = lax.fori_loop(0, steps, step, jnp.zeros((_ROWS, block_n), jnp.float32))
     y_rows = lax.broadcasted_iota(jnp.int32, (_ROWS, block_n), 0) < m
     y_cols = n0 + lax.broadcasted_iota(jnp.int32, (_ROWS, block_n), 1) < n
     plt.store(
-        y_ref.at[pl.ds(0, _ROWS), pl.ds(n0, block_n)],
+        y_ref.at[pl.program_id(1), pl.ds(0, _ROWS), pl.ds(n0, block_n)],
         acc.astype(y_ref.dtype),
         mask=y_rows & y_cols,
     )
@@ -168,15 +186,26 @@ def _sweep(x: jax.Array, w: jax.Array, *, out_dtype, block_sizes: GemvBlockSizes
     m, d = x.shape
     n = w.shape[0]
     bs = block_sizes
-    kernel = functools.partial(_gemv_kernel, m=m, n=n, d=d, block_n=bs.block_n, block_d=bs.block_d)
-    return pl.pallas_call(
+    steps = common.cdiv(d, bs.block_d)
+    if steps % bs.split_d:
+        raise ValueError(f"split_d={bs.split_d} must divide the {steps} slices of D={d}")
+    steps //= bs.split_d
+    kernel = functools.partial(
+        _gemv_kernel, m=m, n=n, d=d, block_n=bs.block_n, block_d=bs.block_d, steps=steps
+    )
+    part_dtype = out_dtype if bs.split_d == 1 else jnp.float32
+    parts = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(common.cdiv(n, bs.block_n),),
+        out_shape=jax.ShapeDtypeStruct((bs.split_d, m, n), part_dtype),
+        grid=(common.cdiv(n, bs.block_n), bs.split_d),
         compiler_params=plt.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         name="kda_gemv",
         interpret=common.interpret(),
     )(x, w)
+    y = parts[0]
+    for i in range(1, bs.split_d):  # fixed left-to-right order, elementwise: M-independent bits
+        y = y + parts[i]
+    return y.astype(out_dtype)
 
 
 def _run(x, w, out_dtype, block_sizes, what, m_range):

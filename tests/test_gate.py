@@ -39,7 +39,9 @@ def test_gate_matches_reference(rng, lower_bound, dtype, lead):
     u = np.asarray(args[0], np.float32) + np.asarray(args[3])
     if lower_bound is None:
         assert (u > 20).any() and (u < 20).any(), "inputs must cover both softplus branches"
-    assert np.all(np.asarray(g) < 0)
+    # g < 0 mathematically; the bounded gate's sigmoid of a very negative argument is
+    # subnormal and flushes to zero on a GPU, so exactly 0 (no decay) is a legal result.
+    assert np.all(np.asarray(g) <= 0) and np.all(np.isfinite(g))
     assert_close(g, g_ref, FP32_TOL, "g")
     assert_close(beta, beta_ref, FP32_TOL, "beta")
 

@@ -178,3 +178,22 @@ def test_lowers_for_h200(monkeypatch, n, d, m):
         bs = G.GemvBlockSizes.default_for(n, d, m, w_dtype)
         assert "xla.gpu.triton" in text, "no Triton kernel in the lowered module"
         assert f"grid_x = {common.cdiv(n, bs.block_n)} " in text, "unexpected grid"
+
+
+@pytest.mark.parametrize("split_d", [2, 4])
+def test_split_reduction_matches_reference_and_keeps_row_bits(rng, split_d):
+    """D split over programs (o_proj's tiling): same result, and rows still M-independent."""
+    n, d = O_PROJ if ON_GPU else (40, 256)
+    bs = G.GemvBlockSizes(block_n=16, block_d=32 if not ON_GPU else 256, split_d=split_d)
+    x, w = _inputs(rng, n, d, 5, F32, BF16)
+    got = G.gemv_batchm(x, w, out_dtype=F32, block_sizes=bs)
+    assert_close(got, ref.gemv_reference(x, w, out_dtype=F32), FP32_TOL, "split gemv")
+    for i in range(5):
+        one = G.gemv(x[i : i + 1], w, out_dtype=F32, block_sizes=bs)
+        _exact_rows(got[i : i + 1], one, f"split row {i}")
+
+
+def test_default_splits_o_proj_only():
+    assert G.GemvBlockSizes.default_for(*O_PROJ).split_d > 1
+    assert G.GemvBlockSizes.default_for(*W_IN).split_d == 1
+    assert G.GemvBlockSizes.default_for(*F_B).split_d == 1
