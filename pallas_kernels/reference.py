@@ -394,3 +394,110 @@ def prefill_core_reference(
     o, new_state = chunk_kda_reference(q, k, v, g, beta, state, scale=scale, chunk=chunk)
     y = o_norm_reference(o, z, o_norm_w, eps=eps, out_dtype=out_dtype)
     return jnp.where(valid[..., None], y, 0).astype(out_dtype), new_state
+
+
+# --- chunk stages (chunk helper) ---
+def _to_chunks(x: jax.Array, chunk: int) -> jax.Array:
+    """[B, T, H, ...] -> [B, H, N, C, ...], zero-padded to N*C tokens."""
+    b, t = x.shape[:2]
+    n = -(-t // chunk)
+    x = jnp.pad(x, [(0, 0), (0, n * chunk - t)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 3, 1)
+
+
+def chunk_prepare_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    f: jax.Array,
+    b: jax.Array,
+    lengths: jax.Array,
+    a_log: jax.Array,
+    dt_bias: jax.Array,
+    *,
+    scale: float,
+    chunk: int,
+    lower_bound: float | None,
+    mm_dtype=jnp.bfloat16,
+) -> tuple[jax.Array, ...]:
+    """Intra-chunk stage of SPEC §5 (steps 1-3); the reference of `chunk_prepare.chunk_prepare`.
+
+    Materialises [B, H, N, C, C, K] decay tensors: meant for test sizes only.
+
+    Args:
+      q, k: [B, T, H, K] L2-normalised (q unscaled); v: [B, T, H, V].
+      f: [B, T, H*K] raw gate input; b: [B, T, H] beta logits; lengths: [B] int32.
+      a_log: [H]; dt_bias: [H*K]; chunk: C; mm_dtype: dtype of the matrix outputs.
+    Returns:
+      (qg, kg, w, u, a, gl): qg = s q exp(G), kg = k exp(G_last - G), w = T(beta k exp(G)),
+      u = T(beta v), all [B, H, N*C, K or V] mm_dtype but u fp32; a [B, H, N*C, C] mm_dtype,
+      the q-k scores (j <= i, zeros above); gl [B, H, N, K] fp32, exp(G_last).
+      Pads (t >= lengths[b]) are neutral: g = 0, beta = 0, q = k = v = 0.
+    """
+    bsz, t, h, kd = q.shape
+    hi = lax.Precision.HIGHEST
+    valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
+    g, beta = gate_reference(f, b, a_log, dt_bias, head_dim=kd, lower_bound=lower_bound)
+    vm = valid[..., None, None]
+    q, k, v, g = (_to_chunks(jnp.where(vm, a.astype(f32), 0.0), chunk) for a in (q, k, v, g))
+    beta = _to_chunks(jnp.where(valid[..., None], beta, 0.0), chunk)[..., None]  # [B,H,N,C,1]
+    gc = jnp.cumsum(g, axis=3)  # [B, H, N, C, K]
+    diff = gc[..., :, None, :] - gc[..., None, :, :]  # [B, H, N, C(i), C(j), K]
+    ii = jnp.arange(chunk)[:, None]
+    jj = jnp.arange(chunk)[None, :]
+    decay = jnp.exp(jnp.where((jj <= ii)[..., None], diff, -jnp.inf))
+    a_mat = scale * jnp.einsum("...ik,...jk,...ijk->...ij", q, k, decay, precision=hi)
+    l_mat = beta * jnp.where(
+        jj < ii, jnp.einsum("...ik,...jk,...ijk->...ij", k, k, decay, precision=hi), 0.0
+    )
+    i_plus_l = jnp.eye(chunk, dtype=f32) + l_mat
+    solve = lambda rhs: jax.scipy.linalg.solve_triangular(  # noqa: E731
+        i_plus_l, rhs, lower=True, unit_diagonal=True
+    )
+    w = solve(beta * k * jnp.exp(gc))
+    u = solve(beta * v)
+    g_last = gc[..., -1:, :]  # [B, H, N, 1, K]
+    qg = scale * q * jnp.exp(gc)
+    kg = k * jnp.exp(g_last - gc)
+    flat = lambda a, dt=mm_dtype: a.reshape(*a.shape[:2], -1, a.shape[-1]).astype(dt)  # noqa: E731
+    return flat(qg), flat(kg), flat(w), flat(u, f32), flat(a_mat), jnp.exp(g_last[..., 0, :])
+
+
+def chunk_scan_reference(
+    qg: jax.Array,
+    kg: jax.Array,
+    w: jax.Array,
+    u: jax.Array,
+    a: jax.Array,
+    gl: jax.Array,
+    state: jax.Array,
+    *,
+    t: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Inter-chunk state pass and output of SPEC §5 (steps 4-6); reference of `chunk_scan`.
+
+    Args:
+      qg, kg, w: [B, H, N*C, K]; u: [B, H, N*C, V]; a: [B, H, N*C, C]; gl: [B, H, N, K]
+        (the outputs of `chunk_prepare_reference`); state: [B, H, K, V] fp32; t: T <= N*C.
+    Returns:
+      o: [B, T, H, V] fp32; new_state: [B, H, K, V] fp32.
+    """
+    bsz, h, tp, _ = qg.shape
+    n, c = gl.shape[2], tp // gl.shape[2]
+    hi = lax.Precision.HIGHEST
+    chunks = lambda x: jnp.moveaxis(  # noqa: E731
+        x.astype(f32).reshape(bsz, h, n, c, x.shape[-1]), 2, 0
+    )
+    xs = (*(chunks(x) for x in (qg, kg, w, u, a)), jnp.moveaxis(gl, 2, 0))
+
+    def step(s, x):
+        qg_, kg_, w_, u_, a_, gl_ = x
+        delta = u_ - jnp.einsum("bhck,bhkv->bhcv", w_, s, precision=hi)
+        o = jnp.einsum("bhck,bhkv->bhcv", qg_, s, precision=hi)
+        o = o + jnp.einsum("bhij,bhjv->bhiv", a_, delta, precision=hi)
+        s = gl_[..., None] * s + jnp.einsum("bhck,bhcv->bhkv", kg_, delta, precision=hi)
+        return s, o
+
+    new_state, o = lax.scan(step, state.astype(f32), xs)  # o: [N, B, H, C, V]
+    o = jnp.moveaxis(o, 0, 2).reshape(bsz, h, tp, -1)[:, :, :t]
+    return jnp.moveaxis(o, 1, 2), new_state

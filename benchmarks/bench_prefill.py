@@ -1,0 +1,339 @@
+"""Prefill timings on one GPU: the chunked core against FLA's chunk_kda, and the whole block.
+
+Work per chunk of C tokens and one head (K = V = 128, C = 64), counting triangular products at
+half (C(C+1)/2 ~ C^2/2 entries) and a multiply-add as 2 FLOPs:
+  chunk_prepare: A = q k^T and L = k k^T (C^2 K each), w = T kb (C^2 K), u = T vb (C^2 V),
+                 T by sub-blocks (~C^3/3)                            -> C^2 (3K + V) + C^3/3
+  chunk_scan:    w S, qg S, kg^T Delta (2 C K V each), A Delta (C^2 V, triangular)
+                 (+ the Delta lo part, 2 C K V + C^2 V, not counted)  -> 6 C K V + C^2 V
+  total ~ C^2 (3K + 2V) + C^3/3 + 6 C K V = 2.6 + 0.09 + 6.3 = 9.0 MFLOP per (chunk, head);
+  B=1, T=8192, H=32: 4096 (chunk, head) pairs -> 37 GFLOP -> 47 us at 790 TFLOP/s.
+Bytes (bf16 activations): the least any implementation moves is q, k, v, f (4 x T H K x 2 B),
+beta (T H x 2 B), o (T H V x 2 B) and the fp32 state in and out: ~ 10.3 KB per token at H=32,
+B=1, T=8192: 340 MB -> 79 us at 4.3 TB/s. This two-kernel design also writes and reads back the
+intermediates (qg, kg, w, A in bf16, u fp32, exp(G_last)): 2 x 88 KB per (chunk, head), ~ 720 MB
+more at T=8192 (the scan re-reads per V tile hit L2). Core floor = max(FLOP floor, byte floor).
+
+Whole block (`kda_jax.forward.prefill`, preset kimi-linear-48b, bf16 weights): FLOP floor =
+projections 2 T (D (3P + 2K + H) + 2 P K + P D) + the chunk FLOPs above, at 790 TFLOP/s.
+
+Cases:
+- `prefill_core`: L2 of raw q, k (fused into chunk_prepare, like FLA's use_qk_l2norm_in_kernel)
+  + gate + beta + chunked recurrence, output o in bf16 and the fp32 final state; no output norm
+  (FLA has none). B=1 T=8192, B=4 T=4096, B=1 T=32768 at H=32, both gates. Baseline: FLA 0.6.0
+  `chunk_kda` on the same input arrays (shared through DLPack), called as in SPEC §9, CUDA-graph
+  replay of 20 calls, median; null with a printed reason when fla cannot import.
+- `prefill_block`: tokens/s of `forward.prefill` at B=1, T = 1024, 4096, 8192, 32768, backend
+  pallas (and xla up to T=8192). Baseline: xla at the same T.
+- `--sweep` (extra, slow): stage times of chunk_prepare and chunk_scan over block sizes at B=1
+  T=8192, unbounded gate, so the defaults can be tuned from one run.
+
+JAX timing: one jitted `fori_loop` of n dependent calls (the final state is the carry and sets
+`lengths`, so nothing is loop-invariant), median over repetitions, divided by n.
+
+Usage: python benchmarks/bench_prefill.py --out PATH [--quick] [--sweep]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # FLA shares the GPU
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kda_jax import forward  # noqa: E402
+from kda_jax.config import preset  # noqa: E402
+from kda_jax.params import init_params  # noqa: E402
+from kda_jax.state import KdaState  # noqa: E402
+from pallas_kernels.chunk import chunk_kda  # noqa: E402
+from pallas_kernels.chunk_prepare import PrepareBlockSizes, _chunk_prepare  # noqa: E402
+from pallas_kernels.chunk_scan import ScanBlockSizes, _chunk_scan  # noqa: E402
+
+BANDWIDTH = 4.3e12  # B/s, the H200's measured copy bandwidth (SPEC §9)
+PEAK = 790e12  # FLOP/s, bf16 matmul (PALLAS.md)
+FLA_NAME = "fla-0.6.0 chunk_kda"
+LB = -5.0
+L2_EPS = 1e-6
+
+
+def chunk_flops(b, t, h, kd, vd, c=64):
+    n = -(-t // c)
+    per = c * c * (3 * kd + 2 * vd) + c**3 / 3 + 6 * c * kd * vd
+    return b * n * h * per
+
+
+def core_bytes(b, t, h, kd, vd):
+    return b * t * h * (3 * kd * 2 + kd * 2 + 2 + vd * 2) + 2 * b * h * kd * vd * 4
+
+
+def _meta():
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return dict(
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        commit=commit,
+        device=jax.devices()[0].device_kind,
+        command=" ".join([os.path.basename(sys.executable), *sys.argv]),
+    )
+
+
+def time_loop(step, carry, n: int, reps: int) -> float:
+    """Median µs per step of `carry = step(carry)` run n times inside one jit (carry donated)."""
+    loop = jax.jit(lambda c: lax.fori_loop(0, n, lambda i, c: step(c), c), donate_argnums=0)
+    for _ in range(2):  # compile and warm up
+        carry = jax.block_until_ready(loop(carry))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        carry = jax.block_until_ready(loop(carry))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / n * 1e6
+
+
+def _record(records, meta, bench, shape, backend, run, floor, base_us, base_name, **extra):
+    """Runs one case and appends its record; returns µs per call, or None when it failed (the
+    record then holds time_us null and the error). `fraction` = floor / time."""
+    rec = dict(bench=bench, shape=shape, backend=backend, floor_us=round(floor, 2))
+    t = None
+    try:
+        t = run()
+        rec.update(time_us=round(t, 2), fraction=round(floor / t, 3))
+    except Exception as e:  # noqa: BLE001 - reported, never hidden
+        rec.update(time_us=None, fraction=None, error=f"{type(e).__name__}: {e}"[:400])
+        print(f"[{bench} {shape} {backend}] failed: {rec['error']}", file=sys.stderr)
+    rec["baseline"] = None if base_us is None else dict(name=base_name, time_us=round(base_us, 2))
+    rec.update({k: (v(t) if callable(v) else v) for k, v in extra.items()} if t else {})
+    rec.update(meta)
+    records.append(rec)
+    return t
+
+
+# ----------------------------------------------------------------------------------------------
+# Core: ours vs FLA chunk_kda on the same arrays
+# ----------------------------------------------------------------------------------------------
+def core_inputs(b, t, h, kd, key):
+    """FLA's input set (SPEC §9): bf16 normal q, k, v, raw gate g [B,T,H,K], beta logits, fp32
+    A_log [H], dt_bias [H*K], fp32 initial state."""
+    ks = jax.random.split(key, 8)
+    bf = jnp.bfloat16
+    rnd = lambda i, *s: jax.random.normal(ks[i], s, jnp.float32).astype(bf)  # noqa: E731
+    q, k, v, g = (rnd(i, b, t, h, kd) for i in range(4))
+    beta = rnd(4, b, t, h)
+    a_log = jnp.log(jax.random.uniform(ks[5], (h,), jnp.float32, 1.0, 16.0))
+    dt_bias = 0.1 * jax.random.normal(ks[6], (h * kd,), jnp.float32)
+    h0 = 0.1 * jax.random.normal(ks[7], (b, h, kd, kd), jnp.float32)
+    return q, k, v, g, beta, a_log, dt_bias, h0
+
+
+def fla_us(inputs, lower_bound, reps):
+    """FLA 0.6.0 chunk_kda as SPEC §9 took its figures; raises if fla is missing."""
+    import torch
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    q, k, v, g, beta, a_log, dt_bias, h0 = (torch.from_dlpack(x) for x in inputs)
+    extra = {} if lower_bound is None else dict(safe_gate=True, lower_bound=lower_bound)
+
+    def call():
+        return fla_chunk_kda(
+            q, k, v, g, beta, A_log=a_log, dt_bias=dt_bias, initial_state=h0,
+            output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, **extra,
+        )
+
+    calls = 20
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # autotune and warm up outside the graph
+                call()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                call()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    torch.cuda.empty_cache()
+    return statistics.median(times)
+
+
+def _lengths_from(state, b, t):
+    """Full lengths that depend on the carried state (keeps every call inside the loop)."""
+    bump = (state[0, 0, 0, 0] > 1e30).astype(jnp.int32)
+    return jnp.full((b,), t, jnp.int32) - bump
+
+
+def _core_step(inputs, lower_bound, state):
+    q, k, v, g, beta, a_log, dt_bias, _ = inputs
+    b, t, h, kd = q.shape
+    _, new_state = chunk_kda(
+        q, k, v, g.reshape(b, t, h * kd), beta, state, _lengths_from(state, b, t), a_log,
+        dt_bias, scale=kd**-0.5, chunk=64, lower_bound=lower_bound, mm_dtype=jnp.bfloat16,
+        o_dtype=jnp.bfloat16, l2_eps=L2_EPS,
+    )
+    return new_state
+
+
+def bench_core(shapes, n, reps, records, meta, h=32, kd=128):
+    for b, t in shapes:
+        inputs = jax.block_until_ready(core_inputs(b, t, h, kd, jax.random.key(t + b)))
+        floor = max(chunk_flops(b, t, h, kd, kd) / PEAK, core_bytes(b, t, h, kd, kd) / BANDWIDTH)
+        floor *= 1e6
+        for lb, gate in ((LB, "bounded"), (None, "unbounded")):
+            try:
+                fla = fla_us(inputs, lb, reps)
+            except Exception as e:  # noqa: BLE001 - the reason is printed and baseline is null
+                fla = None
+                print(f"[prefill_core B={b} T={t} {gate}] FLA baseline unavailable: "
+                      f"{type(e).__name__}: {e}", file=sys.stderr)
+            step = functools.partial(_core_step, inputs, lb)
+            run = functools.partial(time_loop, step, inputs[-1] + 0.0, n, reps)
+            shape = f"B={b},T={t},H={h},K={kd},gate={gate}"
+            _record(records, meta, "prefill_core", shape, "pallas(o bf16, no o_norm)", run, floor,
+                    fla, FLA_NAME, vs_baseline=lambda us, f=fla: None if f is None else
+                    round(us / f, 3))
+        del inputs
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage sweep (block sizes), B=1 T=8192 unbounded
+# ----------------------------------------------------------------------------------------------
+def bench_sweep(n, reps, records, meta, b=1, t=8192, h=32, kd=128):
+    q, k, v, g, beta, a_log, dt_bias, h0 = core_inputs(b, t, h, kd, jax.random.key(7))
+    g = g.reshape(b, t, h * kd)
+    kw = dict(scale=kd**-0.5, chunk=64, lower_bound=None, mm_dtype=jnp.bfloat16, l2_eps=L2_EPS)
+    shape = f"B={b},T={t},H={h},K={kd},gate=unbounded"
+    inter = None
+    for warps in (4, 8):
+        blk = PrepareBlockSizes(sub=16, num_warps=warps)
+
+        def prep_step(state, blk=blk):
+            inter = _chunk_prepare(q, k, v, g, beta, _lengths_from(state, b, t), a_log, dt_bias,
+                                   **kw, blk=blk)
+            return state + inter.gl[:, :, :1, :1]  # depends on the output; cheap
+
+        run = functools.partial(time_loop, prep_step, h0 + 0.0, n, reps)
+        _record(records, meta, "chunk_prepare", shape, f"pallas[num_warps={warps}]", run, 0.0,
+                None, None)
+    inter = _chunk_prepare(q, k, v, g, beta, jnp.full((b,), t, jnp.int32), a_log, dt_bias, **kw,
+                           blk=PrepareBlockSizes.default_for(64, kd))
+    for bv in (32, 64, 128):
+        for warps in (4, 8):
+            for stages in (1, 2, 3):
+                blk = ScanBlockSizes(block_v=bv, num_warps=warps, num_stages=stages)
+                step = lambda s, blk=blk: _chunk_scan(  # noqa: E731
+                    inter, s, t=t, out_dtype=jnp.bfloat16, blk=blk
+                )[1]
+                run = functools.partial(time_loop, step, h0 + 0.0, n, reps)
+                _record(records, meta, "chunk_scan", shape,
+                        f"pallas[block_v={bv},num_warps={warps},num_stages={stages}]", run, 0.0,
+                        None, None)
+    print("defaults:", PrepareBlockSizes.default_for(64, kd), ScanBlockSizes.default_for(b, h, kd))
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole block
+# ----------------------------------------------------------------------------------------------
+def block_flops(cfg, t):
+    p, kd, d, h = cfg.qkv_dim, cfg.head_dim, cfg.hidden, cfg.heads
+    proj = 2 * t * (d * cfg.in_proj_dim + 2 * p * kd + p * d)
+    return proj + chunk_flops(1, t, h, kd, kd, cfg.chunk)
+
+
+def bench_block(cfg, params, ts, xla_max_t, n, reps, records, meta):
+    times = {}
+    for backend in ("xla", "pallas"):
+        for t in ts:
+            if backend == "xla" and t > xla_max_t:
+                continue
+            key = jax.random.key(t)
+            k1, k2, k3 = jax.random.split(key, 3)
+            x = jax.random.normal(k1, (1, t, cfg.hidden), jnp.float32).astype(params.dtype)
+            state = KdaState(
+                recurrent=0.1 * jax.random.normal(k2, cfg.recurrent_state_shape(1), jnp.float32),
+                conv=jax.random.normal(k3, cfg.conv_state_shape(1), jnp.float32),
+            )
+
+            def step(carry, backend=backend):
+                y, st = forward.prefill(params, cfg, carry[0], carry[1], backend=backend)
+                return y.astype(carry[0].dtype), st
+
+            run = functools.partial(time_loop, step, (x, state), n, reps)
+            floor = block_flops(cfg, t) / PEAK * 1e6
+            base = None if backend == "xla" else times.get(("xla", t))
+            times[backend, t] = _record(
+                records, meta, "prefill_block", f"B=1,T={t},D={cfg.hidden},H={cfg.heads}",
+                backend, run, floor, base, "xla prefill",
+                tokens_per_s=lambda us, t=t: round(t / us * 1e6),
+                floor_tokens_per_s=round(t / floor * 1e6),
+            )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON file for the list of records")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    parser.add_argument("--sweep", action="store_true", help="also sweep the stage block sizes")
+    args = parser.parse_args()
+    meta = _meta()
+    reps = 3 if args.quick else 5
+    records = []
+    shapes = [(1, 8192)] if args.quick else [(1, 8192), (4, 4096), (1, 32768)]
+    bench_core(shapes, 20, reps, records, meta)
+    if args.sweep:
+        bench_sweep(10, reps, records, meta)
+    cfg = preset("kimi-linear-48b")
+    params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    ts = (1024, 8192) if args.quick else (1024, 4096, 8192, 32768)
+    bench_block(cfg, params, ts, 8192, 5 if args.quick else 10, reps, records, meta)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(records, fh, indent=1)
+    print(f"\n{'bench':<14}{'shape':<44}{'backend':<44}{'time_us':>9}{'floor_us':>9}  baseline")
+    for r in records:
+        t = r["time_us"]
+        base = r["baseline"]
+        base_s = "-" if base is None else f"{base['name']}: {base['time_us']} us"
+        if base is not None and t is not None:
+            base_s += f" (ours/base {t / base['time_us']:.2f}x)"
+        if "tokens_per_s" in r:
+            base_s += f"  [{r['tokens_per_s']:.3g} tok/s, floor {r['floor_tokens_per_s']:.3g}]"
+        t_s = "FAILED" if t is None else f"{t:.1f}"
+        print(f"{r['bench']:<14}{r['shape']:<44}{r['backend']:<44}{t_s:>9}"
+              f"{r['floor_us']:>9.1f}  {base_s}")
+    print(f"wrote {len(records)} records to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Chunked prefill core (SPEC §5) on the Triton backend: the algorithm, stage by stage.
+
+    raw q, k, v, f, b  --chunk_prepare-->  qg, kg, w, u, A, exp(G_last)   (intra-chunk, parallel)
+                       --chunk_scan----->  o, final state                 (state pass over chunks)
+                       --o_norm--------->  y = RMSNorm(o) * w * sigmoid(z), 0 at pads
+
+`chunk_kda` is the core without the norm (what FLA's `chunk_kda` computes once q, k are
+normalised); `prefill_core` is the block's stage, with the signature and semantics of
+`reference.prefill_core_reference`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.chunk_prepare import chunk_prepare
+from pallas_kernels.chunk_scan import chunk_scan
+from pallas_kernels.o_norm import o_norm
+
+__all__ = ["chunk_kda", "prefill_core"]
+
+f32 = jnp.float32
+
+
+def matmul_dtype(out_dtype) -> jnp.dtype:
+    """Storage and product dtype of the chunk intermediates: bf16 unless the block runs in fp32."""
+    return jnp.dtype(f32) if jnp.dtype(out_dtype) == f32 else jnp.dtype(jnp.bfloat16)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "chunk", "lower_bound", "mm_dtype", "o_dtype", "l2_eps")
+)
+def chunk_kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    f: jax.Array,
+    b: jax.Array,
+    state: jax.Array,
+    lengths: jax.Array,
+    a_log: jax.Array,
+    dt_bias: jax.Array,
+    *,
+    scale: float,
+    chunk: int,
+    lower_bound: float | None,
+    mm_dtype=jnp.bfloat16,
+    o_dtype=f32,
+    l2_eps: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Gate, beta and the chunked delta rule over T padded tokens (no output norm).
+
+    Args:
+      q, k: [B, T, H, K] L2-normalised (q unscaled); v: [B, T, H, V]; any float dtype.
+      f: [B, T, H*K] raw gate input; b: [B, T, H] beta logits.
+      state: [B, H, K, V] fp32; lengths: [B] int32 in [0, T] (pads may hold anything).
+      a_log: [H]; dt_bias: [H*K]; scale: s; chunk: C; lower_bound: lb or None (unbounded).
+      mm_dtype: dtype of the intermediates and of the products' operands; o_dtype: dtype of o.
+      l2_eps: set when q, k arrive raw: they are L2-normalised inside chunk_prepare.
+    Returns:
+      o: [B, T, H, V] o_dtype, 0 at pads; new_state: [B, H, K, V] fp32.
+    """
+    inter = chunk_prepare(
+        q, k, v, f, b, lengths, a_log, dt_bias,
+        scale=scale, chunk=chunk, lower_bound=lower_bound, mm_dtype=mm_dtype, l2_eps=l2_eps,
+    )
+    return chunk_scan(inter, state, t=q.shape[1], out_dtype=o_dtype)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "chunk", "lower_bound", "eps", "out_dtype")
+)
+def prefill_core(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    f: jax.Array,
+    b: jax.Array,
+    z: jax.Array,
+    state: jax.Array,
+    lengths: jax.Array,
+    a_log: jax.Array,
+    dt_bias: jax.Array,
+    o_norm_w: jax.Array,
+    *,
+    scale: float,
+    chunk: int,
+    lower_bound: float | None,
+    eps: float,
+    out_dtype=jnp.bfloat16,
+) -> tuple[jax.Array, jax.Array]:
+    """Gate, beta, chunked recurrence and gated RMSNorm over T padded tokens.
+
+    The kernel path of `reference.prefill_core_reference`: positions t >= lengths[b] leave the
+    state alone and output 0, whatever q, k, v, f, b, z hold there.
+
+    Args:
+      q, k, v: [B, T, H, K] from conv_prefill (q, k L2-normalised).
+      f: [B, T, P]; b: [B, T, H]; z: [B, T, P]; state: [B, H, K, V] fp32; lengths: [B] int32.
+      a_log: [H]; dt_bias: [P]; o_norm_w: [V].
+    Returns:
+      y: [B, T, P] out_dtype; new_state: [B, H, K, V] fp32.
+    """
+    t = q.shape[1]
+    o, new_state = chunk_kda(
+        q, k, v, f, b, state, lengths, a_log, dt_bias,
+        scale=scale, chunk=chunk, lower_bound=lower_bound, mm_dtype=matmul_dtype(out_dtype),
+    )
+    y = o_norm(o, z, o_norm_w, eps=eps, out_dtype=out_dtype)
+    valid = jnp.arange(t)[None, :] < lengths[:, None]  # z may be NaN at pads
+    return jnp.where(valid[..., None], y, 0).astype(out_dtype), new_state

@@ -1,0 +1,322 @@
+"""Chunked prefill (SPEC §5): chunk_prepare, chunk_scan and prefill_core against their references.
+
+On a CPU the kernels run in interpret mode at small odd sizes (H=2, K=32, chunk 16/32/64, T and
+lengths not chunk multiples, NaN-poisoned pads, carried state, both gates, strong decay); the
+cross-lowering tests build the real Triton IR at the Kimi-Linear sizes. On a GPU the same file
+compiles the kernels and checks the bf16 path at T=4096, H=32, K=128 against the fp32 reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ON_GPU, TOL, assert_close, lower_for_h200, normal, rel_rms
+
+from pallas_kernels import common
+from pallas_kernels import reference as ref
+from pallas_kernels.chunk import chunk_kda, prefill_core
+from pallas_kernels.chunk_prepare import ChunkIntermediates, chunk_prepare
+from pallas_kernels.chunk_scan import chunk_scan
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+EPS = 1e-5
+FP32_TOL = TOL["fp32_gpu"] if ON_GPU else TOL["fp32_cpu"]
+# Interpret-mode sizes: 2 sequences, 2 heads of 32, T = 37 (not a chunk multiple).
+B, T, H, K = 2, 37, 2, 32
+
+
+def _inputs(rng, *, b=B, t=T, h=H, kd=K, dtype=f32, decay="moderate", lengths=None, poison=True):
+    """Raw prefill-core inputs: q, k L2-normalised, v, f, b, z, state, lengths, a_log, dt_bias, w.
+
+    decay: "moderate" (|g| ~ 0.1-3 per token), "weak" (|g| ~ 1e-3) or "strong" (|g| up to ~50).
+    Pads (t >= lengths[b]) hold NaN in every token input when `poison`.
+    """
+    ks = jax.random.split(rng, 10)
+    l2 = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)  # noqa: E731
+    q = l2(normal(ks[0], (b, t, h, kd))).astype(dtype)
+    k = l2(normal(ks[1], (b, t, h, kd))).astype(dtype)
+    v = normal(ks[2], (b, t, h, kd)).astype(dtype)
+    f = normal(ks[3], (b, t, h * kd), dtype)
+    beta = normal(ks[4], (b, t, h), dtype, scale=1.5)
+    z = normal(ks[5], (b, t, h * kd), dtype)
+    state = normal(ks[6], (b, h, kd, kd), scale=0.5)
+    a_log = {"moderate": 0.0, "weak": -6.0, "strong": math.log(25.0)}[decay]
+    a_log = a_log + 0.3 * normal(ks[7], (h,))
+    dt_bias = 0.5 * normal(ks[8], (h * kd,))
+    w = 1.0 + 0.1 * normal(ks[9], (kd,))
+    if lengths is None:
+        lengths = jnp.asarray([t] + [max(1, (t * (i + 1)) // (b + 1) - 3) for i in range(b - 1)])
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if poison:
+        pad = jnp.arange(t)[None, :] >= lengths[:, None]
+        nan = lambda x, m: jnp.where(m, jnp.asarray(jnp.nan, x.dtype), x)  # noqa: E731
+        q, k, v = (nan(x, pad[..., None, None]) for x in (q, k, v))
+        f, z = (nan(x, pad[..., None]) for x in (f, z))
+        beta = nan(beta, pad[..., None])
+    return q, k, v, f, beta, z, state, lengths, a_log, dt_bias, w
+
+
+def _prep_args(inp):
+    q, k, v, f, beta, _, _, lengths, a_log, dt_bias, _ = inp
+    return q, k, v, f, beta, lengths, a_log, dt_bias
+
+
+def _token_loop(inp, *, lower_bound):
+    """The fp32 token-by-token recurrence with the same pad semantics, then the gated norm."""
+    q, k, v, f, beta_logits, z, state, lengths, a_log, dt_bias, w = inp
+    t, kd = q.shape[1], q.shape[-1]
+    valid = jnp.arange(t)[None, :] < lengths[:, None]
+    g, beta = ref.gate_reference(f, beta_logits, a_log, dt_bias, head_dim=kd,
+                                 lower_bound=lower_bound)
+    vm = valid[..., None, None]
+    q, k, v, g = (jnp.where(vm, x.astype(f32), 0.0) for x in (q, k, v, g))
+    beta = jnp.where(valid[..., None], beta, 0.0)
+    o, new_state, _ = ref.recurrent_reference(q, k, v, g, beta, state, scale=kd**-0.5)
+    y = ref.o_norm_reference(o, z, w, eps=EPS, out_dtype=f32)
+    return jnp.where(valid[..., None], y, 0.0), new_state
+
+
+def _assert_finite(*xs):
+    for x in xs:
+        assert bool(jnp.all(jnp.isfinite(jnp.asarray(x, f32)))), "NaN or inf in the output"
+
+
+# ----------------------------------------------------------------------------------------------
+# chunk_prepare
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "chunk, lower_bound",
+    [(16, None), (16, -5.0), (32, -5.0), (64, None)],
+    ids=["c16-unbounded", "c16-bounded", "c32-bounded", "c64-unbounded"],
+)
+def test_prepare_matches_reference(rng, chunk, lower_bound):
+    """fp32 intermediates: pairwise (unbounded) and factorised (bounded) diagonal sub-blocks,
+    off-diagonal sub-blocks (chunk >= 32), T and lengths off the chunk grid, NaN pads."""
+    args = _prep_args(_inputs(rng))
+    kw = dict(scale=K**-0.5, chunk=chunk, lower_bound=lower_bound, mm_dtype=f32)
+    got = chunk_prepare(*args, **kw)
+    want = ChunkIntermediates(*ref.chunk_prepare_reference(*args, **kw))
+    for name in ChunkIntermediates._fields:
+        g, w = getattr(got, name), getattr(want, name)
+        assert g.shape == w.shape and g.dtype == w.dtype, (name, g.shape, w.shape)
+        assert_close(g, w, FP32_TOL, f"chunk_prepare.{name}")
+
+
+def test_prepare_bf16_storage(rng):
+    """bf16 inputs and intermediates (the production path) against the fp32-math reference."""
+    args = _prep_args(_inputs(rng, dtype=bf16))
+    kw = dict(scale=K**-0.5, chunk=16, lower_bound=None, mm_dtype=bf16)
+    got = chunk_prepare(*args, **kw)
+    want = ChunkIntermediates(*ref.chunk_prepare_reference(*args, **{**kw, "mm_dtype": f32}))
+    for name in ChunkIntermediates._fields:
+        assert_close(getattr(got, name), getattr(want, name), TOL["bf16_stage"], name)
+
+
+def test_prepare_fused_l2(rng):
+    """Raw q, k normalised in the kernel (the benchmark's FLA-like entry) == pre-normalised."""
+    q, k, v, f, beta, lengths, a_log, dt_bias = _prep_args(_inputs(rng))
+    kw = dict(scale=K**-0.5, chunk=32, lower_bound=None, mm_dtype=f32)
+    got = chunk_prepare(3.0 * q, 0.5 * k, v, f, beta, lengths, a_log, dt_bias, **kw, l2_eps=1e-6)
+    want = chunk_prepare(q, k, v, f, beta, lengths, a_log, dt_bias, **kw)
+    for name in ChunkIntermediates._fields:
+        assert_close(getattr(got, name), getattr(want, name), FP32_TOL, name)
+
+
+def test_prepare_strong_decay_is_finite_and_exact(rng):
+    """Unbounded gate with per-token log-decay down to about -50: no exp overflow anywhere."""
+    inp = _inputs(rng, decay="strong")
+    args = _prep_args(inp)
+    g, _ = ref.gate_reference(args[3], args[4], args[6], args[7], head_dim=K, lower_bound=None)
+    assert float(jnp.nanmin(g)) < -40.0, "the test must reach strong decay"
+    kw = dict(scale=K**-0.5, chunk=64, lower_bound=None, mm_dtype=f32)
+    got = chunk_prepare(*args, **kw)
+    _assert_finite(*got)
+    want = ChunkIntermediates(*ref.chunk_prepare_reference(*args, **kw))
+    for name in ("w", "u", "a"):
+        assert_close(getattr(got, name), getattr(want, name), FP32_TOL, name)
+
+
+def test_prepare_inverse_vs_float64_solve(rng):
+    """(I+L)^-1 by sub-block forward substitution against a float64 solve, on an ill-conditioned
+    chunk (correlated keys, beta near 1, weak decay): no worse than fp32 solve_triangular."""
+    q, k, v, f, beta, _, _, lengths, a_log, dt_bias, _ = _inputs(rng, b=1, t=64, decay="weak",
+                                                                 poison=False)
+    base = normal(jax.random.fold_in(rng, 1), (1, 1, H, K))
+    k = base + 0.25 * k
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    beta = 3.0 + 0.1 * beta
+    args = (q, k, v, f, beta, lengths, a_log, dt_bias)
+    kw = dict(scale=K**-0.5, chunk=64, lower_bound=None)
+    got = chunk_prepare(*args, **kw, mm_dtype=f32)
+    fp32_solve = ref.chunk_prepare_reference(*args, **kw, mm_dtype=f32)[3]
+    # float64: the same L and beta*v from float64 math, solved in float64.
+    g, bt = ref.gate_reference(f, beta, a_log, dt_bias, head_dim=K, lower_bound=None)
+    g64, k64, v64 = (np.asarray(x[0], np.float64).transpose(1, 0, 2) for x in (g, k, v))
+    b64 = np.asarray(bt[0], np.float64).T[..., None]  # [H, T, 1]
+    gc = np.cumsum(g64, axis=1)
+    dec = np.exp(np.where(np.tril(np.ones((64, 64)), -1)[..., None] > 0,
+                          gc[:, :, None, :] - gc[:, None, :, :], -np.inf))
+    lmat = b64 * np.einsum("hik,hjk,hijk->hij", k64, k64, dec)
+    u64 = np.linalg.solve(np.eye(64) + lmat, b64 * v64)  # [H, T, V]
+    cond = max(np.linalg.cond(np.eye(64) + lmat[i]) for i in range(H))
+    err_kernel = rel_rms(got.u[0], u64)
+    err_fp32 = rel_rms(fp32_solve[0], u64)
+    print(f"cond(I+L) = {cond:.1e}; rel RMS vs float64: kernel {err_kernel:.2e}, "
+          f"fp32 solve_triangular {err_fp32:.2e}")
+    assert cond > 10.0, "the chunk must be ill-conditioned for this test to mean anything"
+    assert err_kernel < max(4.0 * err_fp32, 1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# chunk_scan
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mm_dtype", [f32, bf16])
+def test_scan_matches_reference(rng, mm_dtype):
+    """The state pass over the reference's own intermediates, from a carried state."""
+    inp = _inputs(rng)
+    kw = dict(scale=K**-0.5, chunk=16, lower_bound=None, mm_dtype=mm_dtype)
+    inter = ChunkIntermediates(*ref.chunk_prepare_reference(*_prep_args(inp), **kw))
+    state = inp[6]
+    o, s = chunk_scan(inter, state, t=T)
+    o_ref, s_ref = ref.chunk_scan_reference(*inter, state, t=T)
+    assert o.shape == (B, T, H, K) and s.shape == state.shape
+    tol = FP32_TOL if mm_dtype == f32 else TOL["bf16_stage"]
+    assert_close(o, o_ref, tol, "chunk_scan o")
+    assert_close(s, s_ref, tol, "chunk_scan state")
+
+
+def test_scan_rejects_bad_state(rng):
+    inp = _inputs(rng)
+    inter = chunk_prepare(*_prep_args(inp), scale=K**-0.5, chunk=16, lower_bound=None)
+    with pytest.raises(ValueError, match="state has shape"):
+        chunk_scan(inter, inp[6][:, :, :-1], t=T)
+
+
+# ----------------------------------------------------------------------------------------------
+# prefill_core
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
+def test_prefill_core_matches_reference_and_token_loop(rng, lower_bound):
+    inp = _inputs(rng)
+    kw = dict(scale=K**-0.5, chunk=16, lower_bound=lower_bound, eps=EPS, out_dtype=f32)
+    y, s = prefill_core(*inp, **kw)
+    y_ref, s_ref = ref.prefill_core_reference(*inp, **kw)
+    assert y.shape == (B, T, H * K) and y.dtype == f32
+    assert_close(y, y_ref, FP32_TOL, "prefill_core y vs reference")
+    assert_close(s, s_ref, FP32_TOL, "prefill_core state vs reference")
+    y_loop, s_loop = _token_loop(inp, lower_bound=lower_bound)
+    assert_close(y, y_loop, FP32_TOL, "prefill_core y vs token loop")
+    assert_close(s, s_loop, FP32_TOL, "prefill_core state vs token loop")
+    pads = jnp.arange(T)[None, :] >= inp[7][:, None]
+    assert bool(jnp.all(jnp.where(pads[..., None], y == 0, True))), "pad outputs must be 0"
+
+
+def test_prefill_core_strong_decay_vs_token_loop(rng):
+    """chunk 64, unbounded gate, log-decay down to about -50 per token: finite, equals the loop."""
+    inp = _inputs(rng, decay="strong")
+    kw = dict(scale=K**-0.5, chunk=64, lower_bound=None, eps=EPS, out_dtype=f32)
+    y, s = prefill_core(*inp, **kw)
+    _assert_finite(y, s)
+    y_loop, s_loop = _token_loop(inp, lower_bound=None)
+    assert_close(y, y_loop, FP32_TOL, "strong decay y")
+    assert_close(s, s_loop, FP32_TOL, "strong decay state")
+
+
+def test_prefill_core_split_equals_whole(rng):
+    """Prefill of T tokens == prefill of the first half, then of the rest from the carried state."""
+    inp = _inputs(rng, b=1, lengths=[T], poison=False)
+    q, k, v, f, beta, z, state, lengths, a_log, dt_bias, w = inp
+    kw = dict(scale=K**-0.5, chunk=16, lower_bound=None, eps=EPS, out_dtype=f32)
+    y, s = prefill_core(*inp, **kw)
+    cut = 21
+    first = lambda x: x[:, :cut]  # noqa: E731
+    rest = lambda x: x[:, cut:]  # noqa: E731
+    y1, s1 = prefill_core(*map(first, (q, k, v, f, beta, z)), state, jnp.asarray([cut]),
+                          a_log, dt_bias, w, **kw)
+    y2, s2 = prefill_core(*map(rest, (q, k, v, f, beta, z)), s1, jnp.asarray([T - cut]),
+                          a_log, dt_bias, w, **kw)
+    assert_close(jnp.concatenate([y1, y2], axis=1), y, FP32_TOL, "split y")
+    assert_close(s2, s, FP32_TOL, "split state")
+
+
+def test_chunk_kda_zero_length_keeps_state(rng):
+    inp = _inputs(rng, lengths=[0, 5])
+    q, k, v, f, beta, _, state, lengths, a_log, dt_bias, _ = inp
+    o, s = chunk_kda(q, k, v, f, beta, state, lengths, a_log, dt_bias,
+                     scale=K**-0.5, chunk=16, lower_bound=None, mm_dtype=f32)
+    _assert_finite(o, s)
+    np.testing.assert_array_equal(np.asarray(s[0]), np.asarray(state[0]))
+    assert bool(jnp.all(o[0] == 0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross-lowering for an H200 (real Triton IR, no GPU needed)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
+def test_prefill_core_lowers_for_h200(monkeypatch, lower_bound):
+    """Kimi-Linear sizes (H=32, K=V=128, C=64), bf16, both diagonal paths, T off the chunk grid."""
+    monkeypatch.setattr(common, "interpret", lambda: False)
+    b, t, h, kd = 2, 300, 32, 128  # N*C = 320: whole-sequence blocks need not be powers of two
+    s = jax.ShapeDtypeStruct
+    args = (
+        *(s((b, t, h, kd), bf16),) * 3, s((b, t, h * kd), bf16), s((b, t, h), bf16),
+        s((b, t, h * kd), bf16), s((b, h, kd, kd), f32), s((b,), jnp.int32),
+        s((h,), f32), s((h * kd,), f32), s((kd,), f32),
+    )
+    fn = lambda *a: prefill_core(  # noqa: E731
+        *a, scale=kd**-0.5, chunk=64, lower_bound=lower_bound, eps=EPS, out_dtype=bf16
+    )
+    text = lower_for_h200(fn, *args)
+    for name in ("kda_chunk_prepare", "kda_chunk_scan", "kda_o_norm"):
+        assert name in text, name
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiled on a GPU: the production bf16 path at T = 4096, Kimi-Linear heads
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not ON_GPU, reason="compiled-kernel accuracy at T=4096 needs a GPU")
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
+@pytest.mark.parametrize("decay", ["moderate", "weak"])
+def test_prefill_core_bf16_t4096_on_gpu(rng, lower_bound, decay):
+    t, h, kd = 4096, 32, 128
+    inp = _inputs(rng, b=2, t=t, h=h, kd=kd, dtype=bf16, decay=decay, lengths=[t, t - 77])
+    kw = dict(scale=kd**-0.5, chunk=64, lower_bound=lower_bound, eps=EPS)
+    y, s = prefill_core(*inp, **kw, out_dtype=bf16)
+    _assert_finite(y, s)
+    y_ref, s_ref = ref.prefill_core_reference(*inp, **kw, out_dtype=f32)
+    err_y = assert_close(y, y_ref, TOL["bf16_stage"], "y vs fp32 reference")
+    err_s = assert_close(s, s_ref, TOL["bf16_stage"], "state vs fp32 reference")
+    print(f"bf16 prefill_core T={t}: rel RMS y {err_y:.2e}, state {err_s:.2e}")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled-kernel check needs a GPU")
+def test_prefill_core_strong_decay_on_gpu(rng):
+    t, h, kd = 1024, 32, 128
+    inp = _inputs(rng, b=1, t=t, h=h, kd=kd, dtype=bf16, decay="strong", lengths=[t - 5])
+    kw = dict(scale=kd**-0.5, chunk=64, lower_bound=None, eps=EPS)
+    y, s = prefill_core(*inp, **kw, out_dtype=bf16)
+    _assert_finite(y, s)
+    y_ref, s_ref = ref.prefill_core_reference(*inp, **kw, out_dtype=f32)
+    assert_close(y, y_ref, TOL["bf16_stage"], "strong decay y")
+    assert_close(s, s_ref, TOL["bf16_stage"], "strong decay state")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled stage checks need a GPU")
+def test_stages_fp32_on_gpu(rng):
+    """Each compiled stage in fp32 (TF32 products) against its reference, Kimi-Linear heads."""
+    t, h, kd = 300, 4, 128
+    inp = _inputs(rng, b=2, t=t, h=h, kd=kd, lengths=[t, 131])
+    args = _prep_args(inp)
+    kw = dict(scale=kd**-0.5, chunk=64, lower_bound=None, mm_dtype=f32)
+    got = chunk_prepare(*args, **kw)
+    want = ChunkIntermediates(*ref.chunk_prepare_reference(*args, **kw))
+    for name in ChunkIntermediates._fields:
+        assert_close(getattr(got, name), getattr(want, name), FP32_TOL, name)
+    o, s = chunk_scan(want, inp[6], t=t)
+    o_ref, s_ref = ref.chunk_scan_reference(*want, inp[6], t=t)
+    assert_close(o, o_ref, FP32_TOL, "scan o")
+    assert_close(s, s_ref, FP32_TOL, "scan state")
