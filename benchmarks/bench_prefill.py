@@ -88,6 +88,7 @@ def _meta():
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = None
+    commit = os.environ.get("KDA_COMMIT") or commit
     return dict(
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         commit=commit,
