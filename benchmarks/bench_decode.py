@@ -32,11 +32,8 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # FLA shares the GPU
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import functools  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -45,6 +42,9 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
 
 from kda_jax import forward  # noqa: E402
 from kda_jax.config import preset  # noqa: E402
@@ -55,23 +55,6 @@ from pallas_kernels.recurrent import RecurrentBlockSizes, _decode_core  # noqa: 
 
 BANDWIDTH = 4.3e12  # B/s, the H200's measured copy bandwidth (SPEC §9)
 FLA_NAME = "fla 0.6.0 fused_recurrent_kda"
-
-
-def _meta():
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    commit = os.environ.get("KDA_COMMIT") or commit
-    return dict(
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        commit=commit,
-        device=jax.devices()[0].device_kind,
-        command=" ".join([os.path.basename(sys.executable), *sys.argv]),
-    )
 
 
 def time_loop(step, carry, n: int, reps: int) -> float:
@@ -281,15 +264,12 @@ def main():
     args = parser.parse_args()
     cfg = preset("kimi-linear-48b")
     params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
-    meta = _meta()
+    meta = common.meta()
     batches = (1, 64) if args.quick else (1, 8, 64)
     reps = 3 if args.quick else 7
-    records = []
-    bench_core(cfg, batches, 32 if args.quick else 64, reps, records, meta)
-    bench_block(cfg, params, batches, 16 if args.quick else 32, reps, records, meta)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(records, fh, indent=1)
+    records = common.Records(args.out)
+    bench_core(cfg, batches, 16 if args.quick else 64, reps, records, meta)
+    bench_block(cfg, params, batches, 8 if args.quick else 32, reps, records, meta)
     print(f"\n{'bench':<12}{'shape':<34}{'backend':<22}{'time_us':>9}{'floor_us':>9}"
           f"{'x_floor':>8}  baseline")
     for r in records:

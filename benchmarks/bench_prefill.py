@@ -41,11 +41,8 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # FLA shares the GPU
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import functools  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -54,6 +51,9 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
 
 from kda_jax import forward  # noqa: E402
 from kda_jax.config import preset  # noqa: E402
@@ -78,23 +78,6 @@ def chunk_flops(b, t, h, kd, vd, c=64):
 
 def core_bytes(b, t, h, kd, vd):
     return b * t * h * (3 * kd * 2 + kd * 2 + 2 + vd * 2) + 2 * b * h * kd * vd * 4
-
-
-def _meta():
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    commit = os.environ.get("KDA_COMMIT") or commit
-    return dict(
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        commit=commit,
-        device=jax.devices()[0].device_kind,
-        command=" ".join([os.path.basename(sys.executable), *sys.argv]),
-    )
 
 
 def time_loop(step, carry, n: int, reps: int) -> float:
@@ -307,10 +290,10 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     parser.add_argument("--sweep", action="store_true", help="also sweep the stage block sizes")
     args = parser.parse_args()
-    meta = _meta()
+    meta = common.meta()
     reps = 3 if args.quick else 5
-    records = []
-    shapes = [(1, 8192)] if args.quick else [(1, 8192), (4, 4096), (1, 32768)]
+    records = common.Records(args.out)
+    shapes = [(1, 8192), (4, 4096), (1, 32768)]
     bench_core(shapes, 20, reps, records, meta)
     if args.sweep:
         bench_sweep(10, reps, records, meta)
@@ -318,9 +301,6 @@ def main():
     params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
     ts = (1024, 8192) if args.quick else (1024, 4096, 8192, 32768)
     bench_block(cfg, params, ts, 8192, 5 if args.quick else 10, reps, records, meta)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(records, fh, indent=1)
     print(f"\n{'bench':<14}{'shape':<44}{'backend':<44}{'time_us':>9}{'floor_us':>9}  baseline")
     for r in records:
         t = r["time_us"]
