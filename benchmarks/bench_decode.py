@@ -107,8 +107,11 @@ def bench_block(cfg, params, batches, n, reps, records, meta):
             key = jax.random.key(b)
             x = jax.random.normal(key, (b, cfg.hidden), jnp.float32).astype(params.dtype)
             run = functools.partial(
-                time_loop, _decode_step(params, cfg, backend), (x, random_state(cfg, b, key)),
-                n, reps,
+                time_loop,
+                _decode_step(params, cfg, backend),
+                (x, random_state(cfg, b, key)),
+                n,
+                reps,
             )
             floor = (cfg.weight_bytes() + 2 * b * cfg.state_bytes()) / BANDWIDTH * 1e6
             shape = f"B={b},D={cfg.hidden},H={cfg.heads},K={cfg.head_dim}"
@@ -127,8 +130,17 @@ def bench_block(cfg, params, batches, n, reps, records, meta):
         # The state is read once and written k times (the snapshots).
         floor = (cfg.weight_bytes() + (1 + k) * b * cfg.state_bytes()) / BANDWIDTH * 1e6
         shape = f"B={b},k={k},D={cfg.hidden},H={cfg.heads}"
-        _record(records, meta, "decode_k", shape, "pallas", run, floor, serial,
-                "pallas decode (one token)")
+        _record(
+            records,
+            meta,
+            "decode_k",
+            shape,
+            "pallas",
+            run,
+            floor,
+            serial,
+            "pallas decode (one token)",
+        )
 
 
 def _record(records, meta, bench, shape, backend, run, floor, base_us, base_name):
@@ -179,50 +191,43 @@ def fla_core_us(b, h, kd, reps):
     def call():
         # fla 0.6.0's public wrapper takes inplace_final_state through **kwargs (SPEC §9 call).
         return fused_recurrent_kda(
-            q, k, v, g, beta, A_log=a_log, dt_bias=dt_bias, initial_state=h0,
-            output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True, inplace_final_state=True,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log=a_log,
+            dt_bias=dt_bias,
+            initial_state=h0,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            inplace_final_state=True,
         )
 
-    calls = 20
-    with torch.inference_mode():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                call()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                call()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    return common.cuda_graph_us(call, reps)
 
 
 def bench_core(cfg, batches, n, reps, records, meta):
     h, kd = cfg.heads, cfg.head_dim
-    kw = dict(scale=cfg.scale, lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps,
-              snapshots=False, out_dtype=jnp.bfloat16)
+    kw = dict(
+        scale=cfg.scale,
+        lower_bound=cfg.gate_lower_bound,
+        eps=cfg.rms_norm_eps,
+        snapshots=False,
+        out_dtype=jnp.bfloat16,
+    )
 
     for b in batches:
         try:
             fla = fla_core_us(b, h, kd, reps)
         except Exception as e:  # noqa: BLE001 - the reason is printed and baseline is null
             fla = None
-            print(f"[decode_core B={b}] FLA baseline unavailable: {type(e).__name__}: {e}",
-                  file=sys.stderr)
+            print(
+                f"[decode_core B={b}] FLA baseline unavailable: {type(e).__name__}: {e}",
+                file=sys.stderr,
+            )
         acts, params, state = _core_inputs(b, h, kd, jax.random.key(b))
         q, k, v, f, beta, z = acts
         io_bytes = sum(a.size * a.dtype.itemsize for a in acts) + z.size * 2  # inputs + y
@@ -231,7 +236,8 @@ def bench_core(cfg, batches, n, reps, records, meta):
         default = RecurrentBlockSizes.default_for(b, h, kd, kd)
         variants = [(f"pallas[block_v={default.block_v}]", default)] + [
             (f"pallas[block_v={bv}]", RecurrentBlockSizes.with_block_v(kd, bv))
-            for bv in (kd, kd // 2, kd // 4) if bv != default.block_v
+            for bv in (kd, kd // 2, kd // 4)
+            if bv != default.block_v
         ]
         for name, block in variants:
             step = functools.partial(_pallas_core_step, acts, params, kw, cfg.l2_eps, block)
@@ -270,16 +276,20 @@ def main():
     records = common.Records(args.out)
     bench_core(cfg, batches, 16 if args.quick else 64, reps, records, meta)
     bench_block(cfg, params, batches, 8 if args.quick else 32, reps, records, meta)
-    print(f"\n{'bench':<12}{'shape':<34}{'backend':<22}{'time_us':>9}{'floor_us':>9}"
-          f"{'x_floor':>8}  baseline")
+    print(
+        f"\n{'bench':<12}{'shape':<34}{'backend':<22}{'time_us':>9}{'floor_us':>9}"
+        f"{'x_floor':>8}  baseline"
+    )
     for r in records:
         t = r["time_us"]
         base = r["baseline"]
         base_s = "-" if base is None else f"{base['name']}: {base['time_us']} us"
         x_floor = "-" if t is None else f"{t / r['floor_us']:.2f}"
         t_s = "FAILED" if t is None else f"{t:.1f}"
-        print(f"{r['bench']:<12}{r['shape']:<34}{r['backend']:<22}{t_s:>9}"
-              f"{r['floor_us']:>9.1f}{x_floor:>8}  {base_s}")
+        print(
+            f"{r['bench']:<12}{r['shape']:<34}{r['backend']:<22}{t_s:>9}"
+            f"{r['floor_us']:>9.1f}{x_floor:>8}  {base_s}"
+        )
     print(f"wrote {len(records)} records to {args.out}")
 
 

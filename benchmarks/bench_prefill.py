@@ -138,38 +138,22 @@ def fla_us(inputs, lower_bound, reps):
 
     def call():
         return fla_chunk_kda(
-            q, k, v, g, beta, A_log=a_log, dt_bias=dt_bias, initial_state=h0,
-            output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True, **extra,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log=a_log,
+            dt_bias=dt_bias,
+            initial_state=h0,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            **extra,
         )
 
-    calls = 20
-    with torch.inference_mode():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):  # autotune and warm up outside the graph
-                call()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                call()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    torch.cuda.empty_cache()
-    return statistics.median(times)
+    return common.cuda_graph_us(call, reps)
 
 
 def _lengths_from(state, b, t):
@@ -182,9 +166,21 @@ def _core_step(inputs, lower_bound, state):
     q, k, v, g, beta, a_log, dt_bias, _ = inputs
     b, t, h, kd = q.shape
     _, new_state = chunk_kda(
-        q, k, v, g.reshape(b, t, h * kd), beta, state, _lengths_from(state, b, t), a_log,
-        dt_bias, scale=kd**-0.5, chunk=64, lower_bound=lower_bound, mm_dtype=jnp.bfloat16,
-        o_dtype=jnp.bfloat16, l2_eps=L2_EPS,
+        q,
+        k,
+        v,
+        g.reshape(b, t, h * kd),
+        beta,
+        state,
+        _lengths_from(state, b, t),
+        a_log,
+        dt_bias,
+        scale=kd**-0.5,
+        chunk=64,
+        lower_bound=lower_bound,
+        mm_dtype=jnp.bfloat16,
+        o_dtype=jnp.bfloat16,
+        l2_eps=L2_EPS,
     )
     return new_state
 
@@ -199,14 +195,26 @@ def bench_core(shapes, n, reps, records, meta, h=32, kd=128):
                 fla = fla_us(inputs, lb, reps)
             except Exception as e:  # noqa: BLE001 - the reason is printed and baseline is null
                 fla = None
-                print(f"[prefill_core B={b} T={t} {gate}] FLA baseline unavailable: "
-                      f"{type(e).__name__}: {e}", file=sys.stderr)
+                print(
+                    f"[prefill_core B={b} T={t} {gate}] FLA baseline unavailable: "
+                    f"{type(e).__name__}: {e}",
+                    file=sys.stderr,
+                )
             step = functools.partial(_core_step, inputs, lb)
             run = functools.partial(time_loop, step, inputs[-1] + 0.0, n, reps)
             shape = f"B={b},T={t},H={h},K={kd},gate={gate}"
-            _record(records, meta, "prefill_core", shape, "pallas(o bf16, no o_norm)", run, floor,
-                    fla, FLA_NAME, vs_baseline=lambda us, f=fla: None if f is None else
-                    round(us / f, 3))
+            _record(
+                records,
+                meta,
+                "prefill_core",
+                shape,
+                "pallas(o bf16, no o_norm)",
+                run,
+                floor,
+                fla,
+                FLA_NAME,
+                vs_baseline=lambda us, f=fla: None if f is None else round(us / f, 3),
+            )
         del inputs
 
 
@@ -223,15 +231,35 @@ def bench_sweep(n, reps, records, meta, b=1, t=8192, h=32, kd=128):
         blk = PrepareBlockSizes(sub=16, num_warps=warps)
 
         def prep_step(state, blk=blk):
-            inter = _chunk_prepare(q, k, v, g, beta, _lengths_from(state, b, t), a_log, dt_bias,
-                                   **kw, blk=blk)
+            inter = _chunk_prepare(
+                q, k, v, g, beta, _lengths_from(state, b, t), a_log, dt_bias, **kw, blk=blk
+            )
             return state + inter.gl[:, :, :1, :1]  # depends on the output; cheap
 
         run = functools.partial(time_loop, prep_step, h0 + 0.0, n, reps)
-        _record(records, meta, "chunk_prepare", shape, f"pallas[num_warps={warps}]", run, 0.0,
-                None, None)
-    inter = _chunk_prepare(q, k, v, g, beta, jnp.full((b,), t, jnp.int32), a_log, dt_bias, **kw,
-                           blk=PrepareBlockSizes.default_for(64, kd))
+        _record(
+            records,
+            meta,
+            "chunk_prepare",
+            shape,
+            f"pallas[num_warps={warps}]",
+            run,
+            0.0,
+            None,
+            None,
+        )
+    inter = _chunk_prepare(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        jnp.full((b,), t, jnp.int32),
+        a_log,
+        dt_bias,
+        **kw,
+        blk=PrepareBlockSizes.default_for(64, kd),
+    )
     for bv in (32, 64, 128):
         for warps in (4, 8):
             for stages in (1, 2, 3):
@@ -240,9 +268,17 @@ def bench_sweep(n, reps, records, meta, b=1, t=8192, h=32, kd=128):
                     inter, s, t=t, out_dtype=jnp.bfloat16, blk=blk
                 )[1]
                 run = functools.partial(time_loop, step, h0 + 0.0, n, reps)
-                _record(records, meta, "chunk_scan", shape,
-                        f"pallas[block_v={bv},num_warps={warps},num_stages={stages}]", run, 0.0,
-                        None, None)
+                _record(
+                    records,
+                    meta,
+                    "chunk_scan",
+                    shape,
+                    f"pallas[block_v={bv},num_warps={warps},num_stages={stages}]",
+                    run,
+                    0.0,
+                    None,
+                    None,
+                )
     print("defaults:", PrepareBlockSizes.default_for(64, kd), ScanBlockSizes.default_for(b, h, kd))
 
 
@@ -277,8 +313,15 @@ def bench_block(cfg, params, ts, xla_max_t, n, reps, records, meta):
             floor = block_flops(cfg, t) / PEAK * 1e6
             base = None if backend == "xla" else times.get(("xla", t))
             times[backend, t] = _record(
-                records, meta, "prefill_block", f"B=1,T={t},D={cfg.hidden},H={cfg.heads}",
-                backend, run, floor, base, "xla prefill",
+                records,
+                meta,
+                "prefill_block",
+                f"B=1,T={t},D={cfg.hidden},H={cfg.heads}",
+                backend,
+                run,
+                floor,
+                base,
+                "xla prefill",
                 tokens_per_s=lambda us, t=t: round(t / us * 1e6),
                 floor_tokens_per_s=round(t / floor * 1e6),
             )
@@ -311,8 +354,10 @@ def main():
         if "tokens_per_s" in r:
             base_s += f"  [{r['tokens_per_s']:.3g} tok/s, floor {r['floor_tokens_per_s']:.3g}]"
         t_s = "FAILED" if t is None else f"{t:.1f}"
-        print(f"{r['bench']:<14}{r['shape']:<44}{r['backend']:<44}{t_s:>9}"
-              f"{r['floor_us']:>9.1f}  {base_s}")
+        print(
+            f"{r['bench']:<14}{r['shape']:<44}{r['backend']:<44}{t_s:>9}"
+            f"{r['floor_us']:>9.1f}  {base_s}"
+        )
     print(f"wrote {len(records)} records to {args.out}")
 
 

@@ -14,8 +14,20 @@ from kda_jax.params import KdaParams, init_params
 from kda_jax.state import KdaState, select_snapshot
 
 __all__ = [
-    "KdaConfig", "PRESETS", "preset", "KdaParams", "init_params", "KdaState", "select_snapshot",
-    "prefill", "decode", "decode_k", "KimiDeltaAttention", "load_hf_layer", "load_hf_params",
+    "KdaConfig",
+    "PRESETS",
+    "preset",
+    "KdaParams",
+    "init_params",
+    "KdaState",
+    "select_snapshot",
+    "prefill",
+    "decode",
+    "decode_k",
+    "KimiDeltaAttention",
+    "load_hf_layer",
+    "load_hf_params",
     "save_hf_checkpoint",
-    "oracle_forward", "STAGES",
+    "oracle_forward",
+    "STAGES",
 ]

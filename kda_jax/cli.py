@@ -35,8 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--preset", default="tiny", help=f"one of {sorted(PRESETS)} (default tiny)")
     src.add_argument("--checkpoint", metavar="DIR", help="Hugging Face checkpoint directory")
     ap.add_argument("--layer", type=int, default=None, help="layer index in the checkpoint")
-    ap.add_argument("--backend", choices=backends.BACKENDS, default=None,
-                    help="default: pallas on a GPU, xla elsewhere")
+    ap.add_argument(
+        "--backend",
+        choices=backends.BACKENDS,
+        default=None,
+        help="default: pallas on a GPU, xla elsewhere",
+    )
     ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="weight dtype")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=100, help="prompt tokens (prefill)")
@@ -107,11 +111,13 @@ def run(args: argparse.Namespace) -> int:
     _say(f"[2/4] prefill of {t} tokens ...")
     (y, state, stages), sec = _timed(
         lambda x, s: forward.prefill(params, cfg, x, s, backend=backend, return_stages=True),
-        xs[:, :t], s0,
+        xs[:, :t],
+        s0,
     )
     for name in (n for n in STAGES if n in stages):
         got = stages[name]
-        rows.append((f"prefill {name}", _rel(got, ref[name][:, :t]), sec if name == "final_out" else None))
+        timed = sec if name == "final_out" else None
+        rows.append((f"prefill {name}", _rel(got, ref[name][:, :t]), timed))
     rows.append(("prefill state", _rel(state.recurrent, ref_state_t.recurrent), None))
 
     _say(f"[3/4] jit decode loop of {n} tokens ...")
@@ -133,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     _say(f"[4/4] verify of k={k} tokens ...")
     (yk, _, snaps), sec = _timed(
         lambda x, s: forward.decode_k(params, cfg, x, s, backend=backend),
-        xs[:, t + n :], dec_state,
+        xs[:, t + n :],
+        dec_state,
     )
     rows.append(("verify final_out", _rel(yk, ref["final_out"][:, t + n :]), sec))
     _, ref_snap, _ = oracle_forward(params, cfg, xs[:, t + n : t + n + 1], ref_state_tn)

@@ -87,7 +87,8 @@ class KdaConfig:
 
     def state_bytes(self, batch: int = 1) -> int:
         """Bytes of one state (fp32 recurrent + conv) for `batch` sequences."""
-        return 4 * (math.prod(self.recurrent_state_shape(batch)) + math.prod(self.conv_state_shape(batch)))
+        shapes = (self.recurrent_state_shape(batch), self.conv_state_shape(batch))
+        return 4 * sum(math.prod(s) for s in shapes)
 
     def weight_bytes(self, itemsize: int = 2) -> int:
         """Bytes of the block's matrices (what a decode step must read once)."""

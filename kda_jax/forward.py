@@ -58,23 +58,37 @@ def _rows(params, cfg, x, state, backend, snapshots, return_stages):
     state.check(cfg, b_)
     qkv, f, b, z = _front(st, params, cfg, x)
     conv_out, conv_states = st.conv_decode(
-        qkv, state.conv, params.conv_w,
-        qk_channels=cfg.qk_channels, head_dim=cfg.head_dim, l2_eps=cfg.l2_eps,
+        qkv,
+        state.conv,
+        params.conv_w,
+        qk_channels=cfg.qk_channels,
+        head_dim=cfg.head_dim,
+        l2_eps=cfg.l2_eps,
     )
     q, k, v = _split_heads(cfg, conv_out)
     y, rec, rec_snaps = st.decode_core(
-        q, k, v, f, b, z, state.recurrent, params.a_log, params.dt_bias, params.o_norm_w,
-        scale=cfg.scale, lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps,
-        snapshots=snapshots, out_dtype=params.dtype,
+        q,
+        k,
+        v,
+        f,
+        b,
+        z,
+        state.recurrent,
+        params.a_log,
+        params.dt_bias,
+        params.o_norm_w,
+        scale=cfg.scale,
+        lower_bound=cfg.gate_lower_bound,
+        eps=cfg.rms_norm_eps,
+        snapshots=snapshots,
+        out_dtype=params.dtype,
     )
     out = st.proj(y.reshape(b_ * r, cfg.qkv_dim), params.o_proj).reshape(b_, r, cfg.hidden)
     new_state = KdaState(recurrent=rec, conv=conv_states[:, -1])
     snaps = KdaState(recurrent=rec_snaps, conv=conv_states) if snapshots else None
     stages = None
     if return_stages:
-        stages = dict(
-            qkv_proj=qkv, q=q, k=k, v=v, g_raw=f, out_gate=z, o_norm_out=y, final_out=out
-        )
+        stages = dict(qkv_proj=qkv, q=q, k=k, v=v, g_raw=f, out_gate=z, o_norm_out=y, final_out=out)
     return out, new_state, snaps, stages
 
 
@@ -173,20 +187,36 @@ def prefill(
     st = backends.stages(backends.resolve(backend))
     qkv, f, b, z = _front(st, params, cfg, x)
     conv_out, conv_state = st.conv_prefill(
-        qkv, state.conv, params.conv_w, lengths,
-        qk_channels=cfg.qk_channels, head_dim=cfg.head_dim, l2_eps=cfg.l2_eps,
+        qkv,
+        state.conv,
+        params.conv_w,
+        lengths,
+        qk_channels=cfg.qk_channels,
+        head_dim=cfg.head_dim,
+        l2_eps=cfg.l2_eps,
     )
     q, k, v = _split_heads(cfg, conv_out)
     y, rec = st.prefill_core(
-        q, k, v, f, b, z, state.recurrent, lengths, params.a_log, params.dt_bias,
-        params.o_norm_w, scale=cfg.scale, chunk=cfg.chunk, lower_bound=cfg.gate_lower_bound,
-        eps=cfg.rms_norm_eps, out_dtype=params.dtype,
+        q,
+        k,
+        v,
+        f,
+        b,
+        z,
+        state.recurrent,
+        lengths,
+        params.a_log,
+        params.dt_bias,
+        params.o_norm_w,
+        scale=cfg.scale,
+        chunk=cfg.chunk,
+        lower_bound=cfg.gate_lower_bound,
+        eps=cfg.rms_norm_eps,
+        out_dtype=params.dtype,
     )
     out = st.proj(y.reshape(b_ * t, cfg.qkv_dim), params.o_proj).reshape(b_, t, cfg.hidden)
     new_state = KdaState(recurrent=rec, conv=conv_state)
     if return_stages:
-        stages = dict(
-            qkv_proj=qkv, q=q, k=k, v=v, g_raw=f, out_gate=z, o_norm_out=y, final_out=out
-        )
+        stages = dict(qkv_proj=qkv, q=q, k=k, v=v, g_raw=f, out_gate=z, o_norm_out=y, final_out=out)
         return out, new_state, stages
     return out, new_state

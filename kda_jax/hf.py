@@ -136,8 +136,12 @@ def load_hf_params(
         raise _shape_error(prefix + "o_norm.weight", (kd,), o_norm.shape)
     w_in = np.concatenate(
         [
-            matrix("q_proj", (p, d)), matrix("k_proj", (p, d)), matrix("v_proj", (p, d)),
-            matrix("f_a_proj", (kd, d)), matrix("g_a_proj", (kd, d)), matrix("b_proj", (h, d)),
+            matrix("q_proj", (p, d)),
+            matrix("k_proj", (p, d)),
+            matrix("v_proj", (p, d)),
+            matrix("f_a_proj", (kd, d)),
+            matrix("g_a_proj", (kd, d)),
+            matrix("b_proj", (h, d)),
         ]
     )
     mat = lambda a: jnp.asarray(a).astype(dtype)  # noqa: E731
@@ -239,8 +243,11 @@ def save_hf_checkpoint(
     if cfg.gate_lower_bound is not None:
         lac["gate_lower_bound"] = cfg.gate_lower_bound
     hf = dict(
-        model_type="kimi_linear", hidden_size=cfg.hidden, rms_norm_eps=cfg.rms_norm_eps,
-        num_hidden_layers=layer_idx + 1, linear_attn_config=lac,
+        model_type="kimi_linear",
+        hidden_size=cfg.hidden,
+        rms_norm_eps=cfg.rms_norm_eps,
+        num_hidden_layers=layer_idx + 1,
+        linear_attn_config=lac,
     )
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=1)

@@ -50,7 +50,9 @@ class KimiDeltaAttention(nnx.Module):
     ) -> KimiDeltaAttention:
         """Wraps existing weights (e.g. loaded from a checkpoint) without a random init."""
         params.check(cfg)
-        blk = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), backend=backend, dtype=params.dtype))
+        blk = nnx.eval_shape(
+            lambda: cls(cfg, rngs=nnx.Rngs(0), backend=backend, dtype=params.dtype)
+        )
         for name in _FIELDS:
             setattr(blk, name, nnx.Param(getattr(params, name)))
         return blk

@@ -19,8 +19,18 @@ from kda_jax.state import KdaState
 __all__ = ["oracle_forward", "STAGES"]
 
 STAGES = (
-    "qkv_proj", "conv_out", "q", "k", "v", "gate", "beta", "core", "g_raw", "out_gate",
-    "o_norm_out", "final_out",
+    "qkv_proj",
+    "conv_out",
+    "q",
+    "k",
+    "v",
+    "gate",
+    "beta",
+    "core",
+    "g_raw",
+    "out_gate",
+    "o_norm_out",
+    "final_out",
 )
 _HI = lax.Precision.HIGHEST
 
@@ -68,8 +78,18 @@ def _token(p: KdaParams, cfg: KdaConfig, carry, x):
     o_norm_out = (core / rms * p.o_norm_w * jax.nn.sigmoid(heads(out_gate))).reshape(-1, pdim)
     final_out = _mv(p.o_proj, o_norm_out)
     stages = dict(
-        qkv_proj=qkv_proj, conv_out=conv_out, q=q, k=k, v=v, gate=gate, beta=beta, core=core,
-        g_raw=g_raw, out_gate=out_gate, o_norm_out=o_norm_out, final_out=final_out,
+        qkv_proj=qkv_proj,
+        conv_out=conv_out,
+        q=q,
+        k=k,
+        v=v,
+        gate=gate,
+        beta=beta,
+        core=core,
+        g_raw=g_raw,
+        out_gate=out_gate,
+        o_norm_out=o_norm_out,
+        final_out=final_out,
     )
     return (s, seq[:, 1:]), stages
 

@@ -47,8 +47,14 @@ class KdaParams:
         """The shape every field must have for `cfg`."""
         p, k, d, h, w = cfg.qkv_dim, cfg.head_dim, cfg.hidden, cfg.heads, cfg.conv_kernel
         return dict(
-            w_in=(cfg.in_proj_dim, d), f_b=(p, k), g_b=(p, k), conv_w=(3 * p, w), a_log=(h,),
-            dt_bias=(p,), o_norm_w=(k,), o_proj=(d, p),
+            w_in=(cfg.in_proj_dim, d),
+            f_b=(p, k),
+            g_b=(p, k),
+            conv_w=(3 * p, w),
+            a_log=(h,),
+            dt_bias=(p,),
+            o_norm_w=(k,),
+            o_proj=(d, p),
         )
 
     def check(self, cfg: KdaConfig) -> None:
@@ -115,6 +121,12 @@ def init_params(cfg: KdaConfig, key: jax.Array, dtype=jnp.bfloat16) -> KdaParams
     o_norm_w = 1.0 + 0.1 * jax.random.normal(next(keys), (kd,), jnp.float32)
     o_proj = linear(d, p)
     return KdaParams(
-        w_in=w_in, f_b=f_b, g_b=g_b, conv_w=conv_w, a_log=a_log, dt_bias=dt_bias,
-        o_norm_w=o_norm_w, o_proj=o_proj,
+        w_in=w_in,
+        f_b=f_b,
+        g_b=g_b,
+        conv_w=conv_w,
+        a_log=a_log,
+        dt_bias=dt_bias,
+        o_norm_w=o_norm_w,
+        o_proj=o_proj,
     )

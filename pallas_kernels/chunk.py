@@ -64,15 +64,24 @@ def chunk_kda(
       o: [B, T, H, V] o_dtype, 0 at pads; new_state: [B, H, K, V] fp32.
     """
     inter = chunk_prepare(
-        q, k, v, f, b, lengths, a_log, dt_bias,
-        scale=scale, chunk=chunk, lower_bound=lower_bound, mm_dtype=mm_dtype, l2_eps=l2_eps,
+        q,
+        k,
+        v,
+        f,
+        b,
+        lengths,
+        a_log,
+        dt_bias,
+        scale=scale,
+        chunk=chunk,
+        lower_bound=lower_bound,
+        mm_dtype=mm_dtype,
+        l2_eps=l2_eps,
     )
     return chunk_scan(inter, state, t=q.shape[1], out_dtype=o_dtype)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "chunk", "lower_bound", "eps", "out_dtype")
-)
+@functools.partial(jax.jit, static_argnames=("scale", "chunk", "lower_bound", "eps", "out_dtype"))
 def prefill_core(
     q: jax.Array,
     k: jax.Array,
@@ -106,8 +115,19 @@ def prefill_core(
     """
     t = q.shape[1]
     o, new_state = chunk_kda(
-        q, k, v, f, b, state, lengths, a_log, dt_bias,
-        scale=scale, chunk=chunk, lower_bound=lower_bound, mm_dtype=matmul_dtype(out_dtype),
+        q,
+        k,
+        v,
+        f,
+        b,
+        state,
+        lengths,
+        a_log,
+        dt_bias,
+        scale=scale,
+        chunk=chunk,
+        lower_bound=lower_bound,
+        mm_dtype=matmul_dtype(out_dtype),
     )
     y = o_norm(o, z, o_norm_w, eps=eps, out_dtype=out_dtype)
     valid = jnp.arange(t)[None, :] < lengths[:, None]  # z may be NaN at pads

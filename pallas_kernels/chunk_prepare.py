@@ -168,9 +168,25 @@ def _unit_lower_inverse(lmat, *, sub: int):
 
 
 def _chunk_prepare_kernel(
-    len_ref, q_ref, k_ref, v_ref, f_ref, b_ref, ea_ref, dt_ref,
-    qg_ref, kg_ref, w_ref, u_ref, a_ref, gl_ref,
-    *, scale: float, lower_bound: float | None, l2_eps: float | None, sub: int,
+    len_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    f_ref,
+    b_ref,
+    ea_ref,
+    dt_ref,
+    qg_ref,
+    kg_ref,
+    w_ref,
+    u_ref,
+    a_ref,
+    gl_ref,
+    *,
+    scale: float,
+    lower_bound: float | None,
+    l2_eps: float | None,
+    sub: int,
 ):
     """One (sequence, chunk, head).
 
@@ -322,9 +338,7 @@ def _check_shapes(q, k, v, f, b, lengths, a_log, dt_bias, chunk, sub):
         raise ValueError(f"chunk_prepare: chunk={chunk} must be a multiple of sub={sub}")
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "chunk", "lower_bound", "mm_dtype", "l2_eps")
-)
+@functools.partial(jax.jit, static_argnames=("scale", "chunk", "lower_bound", "mm_dtype", "l2_eps"))
 def chunk_prepare(
     q: jax.Array,
     k: jax.Array,
@@ -358,8 +372,19 @@ def chunk_prepare(
     """
     blk = PrepareBlockSizes.default_for(chunk, q.shape[-1])
     return _chunk_prepare(
-        q, k, v, f, b, lengths, a_log, dt_bias,
-        scale=scale, chunk=chunk, lower_bound=lower_bound, mm_dtype=mm_dtype, l2_eps=l2_eps,
+        q,
+        k,
+        v,
+        f,
+        b,
+        lengths,
+        a_log,
+        dt_bias,
+        scale=scale,
+        chunk=chunk,
+        lower_bound=lower_bound,
+        mm_dtype=mm_dtype,
+        l2_eps=l2_eps,
         blk=blk,
     )
 
@@ -392,7 +417,11 @@ def _chunk_prepare(
         gl=jax.ShapeDtypeStruct((bsz, h, n, kd), f32),
     )
     out_specs = ChunkIntermediates(
-        qg=inter(kd), kg=inter(kd), w=inter(kd), u=inter(vd), a=inter(chunk),
+        qg=inter(kd),
+        kg=inter(kd),
+        w=inter(kd),
+        u=inter(vd),
+        a=inter(chunk),
         gl=pl.BlockSpec((None, None, 1, kd), lambda s, c, hh: (s, hh, c, 0)),
     )
     kernel = functools.partial(
@@ -404,9 +433,13 @@ def _chunk_prepare(
         grid=(bsz, n, h),
         in_specs=[
             pl.BlockSpec((lens.shape[0],), lambda s, c, hh: (0,)),
-            tok(kd), tok(kd), tok(vd), tok(kd),
+            tok(kd),
+            tok(kd),
+            tok(vd),
+            tok(kd),
             pl.BlockSpec((None, chunk, None), lambda s, c, hh: (s, c, hh)),
-            head, head,
+            head,
+            head,
         ],
         out_specs=tuple(out_specs),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),

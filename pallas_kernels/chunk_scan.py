@@ -143,7 +143,11 @@ def _chunk_scan(inter, state, *, t, out_dtype, blk):
         ),
         grid=(bsz, h, vd // bv),
         in_specs=[
-            whole(kd), whole(kd), whole(kd), vtile, whole(chunk),
+            whole(kd),
+            whole(kd),
+            whole(kd),
+            vtile,
+            whole(chunk),
             pl.BlockSpec((None, None, n, kd), lambda s, hh, j: (s, hh, 0, 0)),
             state_spec,
         ],

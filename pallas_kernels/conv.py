@@ -251,8 +251,12 @@ def conv_prefill(
     blk = ConvBlockSizes.default_for(b, t, groups, k)
     hb, bt = blk.block_heads, blk.block_t
     kernel = functools.partial(
-        _conv_prefill_kernel, width=width, block_t=bt, t_total=t,
-        qk_groups=qk_channels // k, l2_eps=l2_eps,
+        _conv_prefill_kernel,
+        width=width,
+        block_t=bt,
+        t_total=t,
+        qk_groups=qk_channels // k,
+        l2_eps=l2_eps,
     )
     seq_spec = pl.BlockSpec((None, t, hb, k), lambda i, j, s: (i, 0, j, 0))
     state_spec = pl.BlockSpec((None, width - 1, hb, k), lambda i, j, s: (i, 0, j, 0))

@@ -92,7 +92,8 @@ class GemvBlockSizes:
           (d = 176 = 11 * 16), the next power of two above d (up to the same cap) and a masked
           last slice instead of many thin steps.
         - block_n: the largest of 64, 32, 16 rows that still yields >= 2 programs per SM
-          (w_in: 32 -> 393 programs; o_proj: 16 -> 144), else 16.
+          (w_in: 32 -> 393 programs), else 16; but a weight that still has too few row tiles
+          and long rows (o_proj [2304, 4096]) takes 32 x 128 tiles and splits D (split_d = 8).
         """
         if not 1 <= m <= MAX_KERNEL_ROWS:
             raise ValueError(f"default_for: m={m} rows, expected 1 <= m <= {MAX_KERNEL_ROWS}")
@@ -106,13 +107,18 @@ class GemvBlockSizes:
             if common.cdiv(n, cand) >= _TARGET_PROGRAMS:
                 block_n = cand
                 break
-        split_d = 1
-        while (
-            common.cdiv(n, block_n) * split_d < _TARGET_PROGRAMS
-            and d % (2 * split_d * block_d) == 0
-        ):
-            split_d *= 2
-        return cls(block_n=block_n, block_d=block_d, split_d=split_d)
+        split_d, num_stages = 1, 4
+        if common.cdiv(n, block_n) < _TARGET_PROGRAMS and d >= 8 * cap:
+            # Few row tiles and long rows (o_proj): 32 x 128 tiles with D split until there are
+            # >= 4 programs per SM. The H200 sweep of 2026-11-30 (benchmarks/results) put
+            # o_proj at 8.1 us this way against 13.5 us unsplit.
+            block_n, block_d, num_stages = 32, min(block_d, 128), 3
+            while (
+                common.cdiv(n, block_n) * split_d < 2 * _TARGET_PROGRAMS
+                and d % (2 * split_d * block_d) == 0
+            ):
+                split_d *= 2
+        return cls(block_n=block_n, block_d=block_d, num_stages=num_stages, split_d=split_d)
 
 
 def _gemv_kernel(

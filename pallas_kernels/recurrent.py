@@ -59,9 +59,7 @@ class RecurrentBlockSizes:
     @staticmethod
     def with_block_v(k: int, block_v: int) -> RecurrentBlockSizes:
         """A V tile of block_v columns with 32 to 64 state values per thread."""
-        return RecurrentBlockSizes(
-            block_v=block_v, num_warps=max(1, min(8, k * block_v // 1024))
-        )
+        return RecurrentBlockSizes(block_v=block_v, num_warps=max(1, min(8, k * block_v // 1024)))
 
 
 class _Fusions(NamedTuple):
@@ -90,13 +88,13 @@ def _l2(x, eps):
 
 def _recurrent_kernel(*refs, rows: int, scale: float, fu: _Fusions):
     """Refs, in order (R rows of one sequence b, head h, V tile j):
-      q_ref, k_ref: [R, K]; v_ref: [R, BV];
-      gate fused: f_ref [R, K], b_ref [R], a_log_ref [1], dt_ref [K];
-        else g_ref [R, K], beta_ref [R];
-      state_ref: [K, BV];
-      norm fused: z_ref [R, V], w_ref [V];
-      outputs: out_ref [R, BV] (o fp32, or y out_dtype when the norm is fused);
-      new_state_ref [K, BV]; snaps_ref [R, K, BV] when snapshots.
+    q_ref, k_ref: [R, K]; v_ref: [R, BV];
+    gate fused: f_ref [R, K], b_ref [R], a_log_ref [1], dt_ref [K];
+      else g_ref [R, K], beta_ref [R];
+    state_ref: [K, BV];
+    norm fused: z_ref [R, V], w_ref [V];
+    outputs: out_ref [R, BV] (o fp32, or y out_dtype when the norm is fused);
+    new_state_ref [K, BV]; snaps_ref [R, K, BV] when snapshots.
     """
     refs = list(refs)
     take = lambda n: [refs.pop(0) for _ in range(n)]  # noqa: E731
@@ -142,9 +140,7 @@ def _recurrent_kernel(*refs, rows: int, scale: float, fu: _Fusions):
     new_state_ref[...] = s
 
 
-def _call(
-    q, k, v, gate_args, state, norm_args, *, scale, fu: _Fusions, out_dtype, block
-):
+def _call(q, k, v, gate_args, state, norm_args, *, scale, fu: _Fusions, out_dtype, block):
     """Builds and runs the pallas_call. q, k: [B, R, H, K]; v: [B, R, H, V]; gate_args: (f
     [B, R, H, K], b [B, R, H], a_log [H], dt [H, K]) or (g [B, R, H, K], beta [B, R, H]);
     norm_args: (z [B, R, H, V], w [V]) or None. Returns (out [B, R, H, V], state, snaps|None)."""
@@ -161,7 +157,8 @@ def _call(
     state_spec = pl.BlockSpec((None, None, kd, bv), lambda i, j, n: (i, j, 0, n))
     if fu.gate:
         gate_specs = [
-            rows_k, rows_1,
+            rows_k,
+            rows_1,
             pl.BlockSpec((1,), lambda i, j, n: (j,)),
             pl.BlockSpec((None, kd), lambda i, j, n: (j, 0)),
         ]
@@ -180,9 +177,7 @@ def _call(
     out_specs = [rows_v, state_spec]
     if fu.snapshots:
         out_shape.append(jax.ShapeDtypeStruct((bsz, r, h, kd, vd), f32))
-        out_specs.append(
-            pl.BlockSpec((None, r, None, kd, bv), lambda i, j, n: (i, 0, j, 0, n))
-        )
+        out_specs.append(pl.BlockSpec((None, r, None, kd, bv), lambda i, j, n: (i, 0, j, 0, n)))
     outs = pl.pallas_call(
         functools.partial(_recurrent_kernel, rows=r, scale=scale, fu=fu),
         out_shape=tuple(out_shape),
@@ -201,8 +196,10 @@ def _check_rows(q, k, v, state, what):
     bsz, r, h, kd = q.shape
     vd = v.shape[-1]
     if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"{what}: q {q.shape}, k {k.shape}, v {v.shape}: expected q, k "
-                         "[B, R, H, K] and v [B, R, H, V]")
+        raise ValueError(
+            f"{what}: q {q.shape}, k {k.shape}, v {v.shape}: expected q, k "
+            "[B, R, H, K] and v [B, R, H, V]"
+        )
     if tuple(state.shape) != (bsz, h, kd, vd):
         raise ValueError(f"{what}: state has shape {state.shape}, expected {(bsz, h, kd, vd)}")
     if kd & (kd - 1) or vd & (vd - 1) or kd < 16:
@@ -235,18 +232,36 @@ def recurrent(
     """
     _check_rows(q, k, v, state, "recurrent")
     if g.shape != q.shape or beta.shape != q.shape[:3]:
-        raise ValueError(f"recurrent: g {g.shape}, beta {beta.shape}: expected {q.shape} and "
-                         f"{q.shape[:3]}")
+        raise ValueError(
+            f"recurrent: g {g.shape}, beta {beta.shape}: expected {q.shape} and {q.shape[:3]}"
+        )
     bsz, _, h, kd = q.shape
     block = RecurrentBlockSizes.default_for(bsz, h, kd, v.shape[-1])
     fu = _Fusions(gate=False, lower_bound=None, norm_eps=None, l2_eps=None, snapshots=snapshots)
-    return _call(q, k, v, (g, beta), state.astype(f32), None, scale=scale, fu=fu,
-                 out_dtype=f32, block=block)
+    return _call(
+        q, k, v, (g, beta), state.astype(f32), None, scale=scale, fu=fu, out_dtype=f32, block=block
+    )
 
 
 def _decode_core(
-    q, k, v, f, b, z, state, a_log, dt_bias, o_norm_w, *, scale, lower_bound, eps,
-    snapshots, out_dtype, l2_eps=None, block=None,
+    q,
+    k,
+    v,
+    f,
+    b,
+    z,
+    state,
+    a_log,
+    dt_bias,
+    o_norm_w,
+    *,
+    scale,
+    lower_bound,
+    eps,
+    snapshots,
+    out_dtype,
+    l2_eps=None,
+    block=None,
 ):
     """decode_core with two knobs the public wrapper fixes: `l2_eps` (q, k arrive raw and are
     L2-normalised in the kernel, for comparisons with kernels that fuse it) and `block`."""
@@ -255,20 +270,37 @@ def _decode_core(
     vd = v.shape[-1]
     p = h * kd
     if f.shape != (bsz, r, p) or b.shape != (bsz, r, h) or z.shape != (bsz, r, h * vd):
-        raise ValueError(f"decode_core: f {f.shape}, b {b.shape}, z {z.shape}: expected "
-                         f"{(bsz, r, p)}, {(bsz, r, h)}, {(bsz, r, h * vd)}")
+        raise ValueError(
+            f"decode_core: f {f.shape}, b {b.shape}, z {z.shape}: expected "
+            f"{(bsz, r, p)}, {(bsz, r, h)}, {(bsz, r, h * vd)}"
+        )
     if a_log.shape != (h,) or dt_bias.shape != (p,) or o_norm_w.shape != (vd,):
-        raise ValueError(f"decode_core: a_log {a_log.shape}, dt_bias {dt_bias.shape}, o_norm_w "
-                         f"{o_norm_w.shape}: expected ({h},), ({p},), ({vd},)")
+        raise ValueError(
+            f"decode_core: a_log {a_log.shape}, dt_bias {dt_bias.shape}, o_norm_w "
+            f"{o_norm_w.shape}: expected ({h},), ({p},), ({vd},)"
+        )
     block = block or RecurrentBlockSizes.default_for(bsz, h, kd, vd)
     fused_norm = block.block_v == vd
-    fu = _Fusions(gate=True, lower_bound=lower_bound, norm_eps=eps if fused_norm else None,
-                  l2_eps=l2_eps, snapshots=snapshots)
+    fu = _Fusions(
+        gate=True,
+        lower_bound=lower_bound,
+        norm_eps=eps if fused_norm else None,
+        l2_eps=l2_eps,
+        snapshots=snapshots,
+    )
     gate_args = (f.reshape(bsz, r, h, kd), b, a_log, dt_bias.reshape(h, kd))
     norm_args = (z.reshape(bsz, r, h, vd), o_norm_w) if fused_norm else None
     out, new_state, snaps = _call(
-        q, k, v, gate_args, state.astype(f32), norm_args, scale=scale, fu=fu,
-        out_dtype=out_dtype if fused_norm else f32, block=block,
+        q,
+        k,
+        v,
+        gate_args,
+        state.astype(f32),
+        norm_args,
+        scale=scale,
+        fu=fu,
+        out_dtype=out_dtype if fused_norm else f32,
+        block=block,
     )
     if fused_norm:
         y = out.reshape(bsz, r, h * vd)
@@ -310,6 +342,19 @@ def decode_core(
       y: [B, R, P] out_dtype; new_state: [B, H, K, V] fp32; snaps: [B, R, H, K, V] fp32 or None.
     """
     return _decode_core(
-        q, k, v, f, b, z, state, a_log, dt_bias, o_norm_w, scale=scale,
-        lower_bound=lower_bound, eps=eps, snapshots=snapshots, out_dtype=out_dtype,
+        q,
+        k,
+        v,
+        f,
+        b,
+        z,
+        state,
+        a_log,
+        dt_bias,
+        o_norm_w,
+        scale=scale,
+        lower_bound=lower_bound,
+        eps=eps,
+        snapshots=snapshots,
+        out_dtype=out_dtype,
     )

@@ -41,7 +41,10 @@ def gemv_reference(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
       [M, N] out_dtype.
     """
     y = lax.dot_general(
-        x.astype(w.dtype), w, (((1,), (1,)), ((), ())), preferred_element_type=f32,
+        x.astype(w.dtype),
+        w,
+        (((1,), (1,)), ((), ())),
+        preferred_element_type=f32,
         precision=lax.Precision.HIGHEST,
     )
     return y.astype(out_dtype or w.dtype)

@@ -11,11 +11,11 @@ ON_GPU = jax.default_backend() == "gpu"
 
 # Relative-RMS bars from SPEC §8.
 TOL = dict(
-    fp32_cpu=1e-4,      # fp32 paths on a CPU
-    fp32_gpu=1e-3,      # fp32 paths where the GPU uses TF32 dots
-    bf16_stage=5e-3,    # one bf16 stage fed the kernel path's own inputs
-    bf16_e2e=1e-2,      # bf16 block output and state against the fp32 oracle
-    chunk_vs_loop=5e-3, # chunked prefill vs token loop, T = 4096, unbounded gate
+    fp32_cpu=1e-4,  # fp32 paths on a CPU
+    fp32_gpu=1e-3,  # fp32 paths where the GPU uses TF32 dots
+    bf16_stage=5e-3,  # one bf16 stage fed the kernel path's own inputs
+    bf16_e2e=1e-2,  # bf16 block output and state against the fp32 oracle
+    chunk_vs_loop=5e-3,  # chunked prefill vs token loop, T = 4096, unbounded gate
 )
 
 

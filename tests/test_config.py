@@ -49,9 +49,11 @@ def test_validate_names_limit_value_and_path(change, pattern):
 
 def test_from_hf_config_both_gates(tmp_path):
     hf = dict(
-        hidden_size=2304, rms_norm_eps=1e-5,
-        linear_attn_config=dict(num_heads=32, head_dim=128, short_conv_kernel_size=4,
-                                kda_layers=[1, 2, 4]),
+        hidden_size=2304,
+        rms_norm_eps=1e-5,
+        linear_attn_config=dict(
+            num_heads=32, head_dim=128, short_conv_kernel_size=4, kda_layers=[1, 2, 4]
+        ),
     )
     cfg = K.KdaConfig.from_hf_config(hf)
     assert cfg == K.preset("kimi-linear-48b") and not cfg.bounded_gate
@@ -89,8 +91,14 @@ def test_init_params_realistic_scales():
         from pallas_kernels.reference import gate_reference
 
         f = jnp.zeros((cfg.qkv_dim,))  # gate at f = 0: the per-channel decay dt_bias sets
-        g, _ = gate_reference(f, jnp.zeros(cfg.heads), p.a_log, p.dt_bias,
-                              head_dim=cfg.head_dim, lower_bound=cfg.gate_lower_bound)
+        g, _ = gate_reference(
+            f,
+            jnp.zeros(cfg.heads),
+            p.a_log,
+            p.dt_bias,
+            head_dim=cfg.head_dim,
+            lower_bound=cfg.gate_lower_bound,
+        )
         decay = jnp.exp(g)
         assert 0.4 < float(decay.min()) < 0.6 and 0.995 < float(decay.max()) < 1.0, name
         x = jax.random.normal(jax.random.key(1), (16, cfg.hidden), jnp.bfloat16)

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from conftest import ON_GPU, TOL, assert_close, lower_for_h200, normal
 
-from pallas_kernels import common
 from pallas_kernels.conv import conv_decode, conv_prefill
 from pallas_kernels.reference import conv_decode_reference, conv_prefill_reference
 
@@ -139,16 +138,14 @@ KIMI = dict(qk_channels=2 * 4096, head_dim=128, l2_eps=L2_EPS)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_conv_decode_lowers_for_h200(monkeypatch, rows):
-    monkeypatch.setattr(common, "interpret", lambda: False)
+def test_conv_decode_lowers_for_h200(rows):
     x = jnp.ones((2, rows, 12288), jnp.bfloat16)
     state, w = jnp.ones((2, 3, 12288)), jnp.ones((12288, 4))
     text = lower_for_h200(lambda *a: conv_decode(*a, **KIMI), x, state, w)
     assert "kda_conv_decode" in text
 
 
-def test_conv_prefill_lowers_for_h200(monkeypatch):
-    monkeypatch.setattr(common, "interpret", lambda: False)
+def test_conv_prefill_lowers_for_h200():
     x = jnp.ones((2, 100, 12288), jnp.bfloat16)
     state, w = jnp.ones((2, 3, 12288)), jnp.ones((12288, 4))
     lengths = jnp.array([100, 3], jnp.int32)

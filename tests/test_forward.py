@@ -146,11 +146,12 @@ def test_padding_changes_nothing(name, poison, rng):
     pad = jnp.arange(t)[None, :, None] >= lengths[:, None, None]
     xp = jnp.where(pad, poison, x)
     y, s = K.prefill(p, cfg, xp, s0, lengths, backend="xla")
-    assert np.all(np.isfinite(y)) and np.all(np.isfinite(s.recurrent)) and np.all(np.isfinite(s.conv))
+    for leaf in (y, s.recurrent, s.conv):
+        assert np.all(np.isfinite(leaf))
     assert float(jnp.max(jnp.abs(jnp.where(pad, y, 0.0)))) == 0.0
     for b in range(2):
         n = int(lengths[b])
-        sb = jax.tree.map(lambda a: a[b : b + 1], s0)
+        sb = jax.tree.map(lambda a, b=b: a[b : b + 1], s0)
         y_ref, s_ref, _ = K.oracle_forward(p, cfg, x[b : b + 1, :n], sb)
         assert_close(y[b : b + 1, :n], y_ref, TOL["fp32_cpu"], f"row {b} y")
         assert_close(s.recurrent[b : b + 1], s_ref.recurrent, TOL["fp32_cpu"], f"row {b} S")
@@ -235,7 +236,8 @@ def test_bf16_end_to_end_within_bar(rng):
 def test_bad_inputs_raise_clear_errors(rng):
     cfg, p, s0, key = _setup("tiny", rng, carried=False)
     x = jax.random.normal(key, (2, 5, cfg.hidden))
-    with pytest.raises(ValueError, match=r"x has shape \(2, 5, 95\), expected \[B, T, D\] with D = hidden = 96"):
+    want = r"x has shape \(2, 5, 95\), expected \[B, T, D\] with D = hidden = 96"
+    with pytest.raises(ValueError, match=want):
         K.prefill(p, cfg, x[..., :95], s0)
     with pytest.raises(TypeError, match="floating"):
         K.prefill(p, cfg, x.astype(jnp.int32), s0)

@@ -65,9 +65,20 @@ def test_pallas_decode_and_verify_stage_by_stage(name, rng):
 
     def core_fn(b_raw):
         y_ref, s_ref, snaps_ref = ref.decode_core_reference(
-            st["q"], st["k"], st["v"], st["g_raw"], b_raw.reshape(b, k, cfg.heads),
-            st["out_gate"], s0.recurrent, p.a_log, p.dt_bias, p.o_norm_w, scale=cfg.scale,
-            lower_bound=cfg.gate_lower_bound, eps=cfg.rms_norm_eps, snapshots=True,
+            st["q"],
+            st["k"],
+            st["v"],
+            st["g_raw"],
+            b_raw.reshape(b, k, cfg.heads),
+            st["out_gate"],
+            s0.recurrent,
+            p.a_log,
+            p.dt_bias,
+            p.o_norm_w,
+            scale=cfg.scale,
+            lower_bound=cfg.gate_lower_bound,
+            eps=cfg.rms_norm_eps,
+            snapshots=True,
             out_dtype=jnp.float32,
         )
         self_conv.update(state=s_ref, snaps=snaps_ref)
@@ -122,15 +133,29 @@ def test_pallas_prefill_stage_by_stage_with_padding(name, rng):
         out, new_conv = ref.conv_prefill_reference(qkv, s0.conv, p.conv_w, lengths, **hk)
         extra.update(conv=new_conv)
         shape = (b, t, cfg.heads, cfg.head_dim)
-        return {n: out[..., i * cfg.qkv_dim : (i + 1) * cfg.qkv_dim].reshape(shape)
-                for i, n in enumerate("qkv")}
+        return {
+            n: out[..., i * cfg.qkv_dim : (i + 1) * cfg.qkv_dim].reshape(shape)
+            for i, n in enumerate("qkv")
+        }
 
     def core_fn(b_raw):
         y_ref, s_ref = ref.prefill_core_reference(
-            st["q"], st["k"], st["v"], st["g_raw"], b_raw.reshape(b, t, cfg.heads),
-            st["out_gate"], s0.recurrent, lengths, p.a_log, p.dt_bias, p.o_norm_w,
-            scale=cfg.scale, chunk=cfg.chunk, lower_bound=cfg.gate_lower_bound,
-            eps=cfg.rms_norm_eps, out_dtype=jnp.float32,
+            st["q"],
+            st["k"],
+            st["v"],
+            st["g_raw"],
+            b_raw.reshape(b, t, cfg.heads),
+            st["out_gate"],
+            s0.recurrent,
+            lengths,
+            p.a_log,
+            p.dt_bias,
+            p.o_norm_w,
+            scale=cfg.scale,
+            chunk=cfg.chunk,
+            lower_bound=cfg.gate_lower_bound,
+            eps=cfg.rms_norm_eps,
+            out_dtype=jnp.float32,
         )
         extra.update(state=s_ref)
         return dict(o_norm_out=y_ref)
@@ -145,7 +170,7 @@ def test_pallas_prefill_stage_by_stage_with_padding(name, rng):
     # End to end, row by row, against the oracle over each row's real tokens.
     for r in range(b):
         n = int(lengths[r])
-        sr = jax.tree.map(lambda a: a[r : r + 1], s0)
+        sr = jax.tree.map(lambda a, r=r: a[r : r + 1], s0)
         y_o, s_o, _ = K.oracle_forward(p, cfg, x[r : r + 1, :n], sr)
         assert_close(y[r : r + 1, :n], y_o, TOL["bf16_e2e"], f"row {r} y vs oracle")
         assert_close(s.recurrent[r : r + 1], s_o.recurrent, TOL["bf16_e2e"], f"row {r} S")

@@ -25,8 +25,15 @@ from kda_jax.hf import PREFIX, load_hf_params, save_hf_checkpoint
 def test_roundtrip_every_variant(tmp_path, name, conv_layout, a_log_shape, shards, dtype):
     cfg = K.preset(name)
     params = K.init_params(cfg, jax.random.key(3), dtype)
-    save_hf_checkpoint(tmp_path, cfg, params, layer_idx=2, conv_layout=conv_layout,
-                       a_log_shape=a_log_shape, shards=shards)
+    save_hf_checkpoint(
+        tmp_path,
+        cfg,
+        params,
+        layer_idx=2,
+        conv_layout=conv_layout,
+        a_log_shape=a_log_shape,
+        shards=shards,
+    )
     got_cfg, got = load_hf_params(tmp_path, 2, dtype=dtype)
     assert got_cfg == cfg.replace(chunk=64)  # chunk is not a checkpoint key: the default holds
     chex.assert_trees_all_equal(got, params)

@@ -15,7 +15,7 @@ def _np_block(p, cfg, x, s0, conv0):
     """Float64 numpy loop of SPEC §1, written with explicit per-head loops."""
     p = {n: np.asarray(getattr(p, n), np.float64) for n in p.__dataclass_fields__}
     sl = in_proj_slices(cfg)
-    h_, kd, pd, w = cfg.heads, cfg.head_dim, cfg.qkv_dim, cfg.conv_kernel
+    h_, kd, pd = cfg.heads, cfg.head_dim, cfg.qkv_dim
     s = np.array(s0, np.float64)
     window = np.array(conv0, np.float64)  # [W-1, 3P]
     ys = []

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from conftest import ON_GPU, TOL, assert_close, lower_for_h200, normal
 
-from pallas_kernels import common
 from pallas_kernels.recurrent import (
     RecurrentBlockSizes,
     _decode_core,
@@ -105,8 +104,9 @@ def test_decode_core_in_kernel_l2(rng):
     raw_q, raw_k = 3.0 * args[0], 0.5 * args[1]
     kw = dict(scale=SCALE, lower_bound=None, eps=EPS, snapshots=False, out_dtype=jnp.float32)
     y, state, _ = _decode_core(raw_q, raw_k, *args[2:], **kw, l2_eps=1e-6)
-    y_ref, state_ref, _ = decode_core_reference(*args, scale=SCALE, lower_bound=None, eps=EPS,
-                                                out_dtype=jnp.float32)
+    y_ref, state_ref, _ = decode_core_reference(
+        *args, scale=SCALE, lower_bound=None, eps=EPS, out_dtype=jnp.float32
+    )
     assert_close(y, y_ref, FP32_TOL, "y")
     assert_close(state, state_ref, FP32_TOL, "state")
 
@@ -155,28 +155,43 @@ def test_decode_core_rejects_bad_shapes(rng):
 def _kimi(rows, batch=2):
     h, kd = 32, 128
     z = lambda *s: jnp.ones(s, jnp.float32)  # noqa: E731
-    return (z(batch, rows, h, kd), z(batch, rows, h, kd), z(batch, rows, h, kd),
-            z(batch, rows, h * kd), z(batch, rows, h), z(batch, rows, h * kd),
-            z(batch, h, kd, kd), z(h), z(h * kd), z(kd))
+    return (
+        z(batch, rows, h, kd),
+        z(batch, rows, h, kd),
+        z(batch, rows, h, kd),
+        z(batch, rows, h * kd),
+        z(batch, rows, h),
+        z(batch, rows, h * kd),
+        z(batch, h, kd, kd),
+        z(h),
+        z(h * kd),
+        z(kd),
+    )
 
 
 @pytest.mark.parametrize("rows,snapshots", [(1, False), (3, True), (8, True)])
 @pytest.mark.parametrize("block_v", [128, 32])
 @pytest.mark.parametrize("lower_bound", GATES, ids=["unbounded", "bounded"])
-def test_decode_core_lowers_for_h200(monkeypatch, rows, snapshots, block_v, lower_bound):
-    monkeypatch.setattr(common, "interpret", lambda: False)
+def test_decode_core_lowers_for_h200(rows, snapshots, block_v, lower_bound):
     block = RecurrentBlockSizes.with_block_v(128, block_v)
     text = lower_for_h200(
-        lambda *a: _decode_core(*a, scale=128**-0.5, lower_bound=lower_bound, eps=EPS,
-                                snapshots=snapshots, out_dtype=jnp.bfloat16, block=block),
+        lambda *a: _decode_core(
+            *a,
+            scale=128**-0.5,
+            lower_bound=lower_bound,
+            eps=EPS,
+            snapshots=snapshots,
+            out_dtype=jnp.bfloat16,
+            block=block,
+        ),
         *_kimi(rows),
     )
     assert "kda_recurrent" in text
 
 
-def test_recurrent_lowers_for_h200(monkeypatch):
-    monkeypatch.setattr(common, "interpret", lambda: False)
+def test_recurrent_lowers_for_h200():
     q, k, v, _, b, _, state, *_ = _kimi(4)
-    text = lower_for_h200(lambda *a: recurrent(*a, scale=128**-0.5, snapshots=True),
-                          q, k, v, -0.1 * q, b, state)
+    text = lower_for_h200(
+        lambda *a: recurrent(*a, scale=128**-0.5, snapshots=True), q, k, v, -0.1 * q, b, state
+    )
     assert "kda_recurrent" in text
