@@ -33,9 +33,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # FLA shares th
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -55,24 +53,6 @@ from pallas_kernels.recurrent import RecurrentBlockSizes, _decode_core  # noqa: 
 
 BANDWIDTH = 4.3e12  # B/s, the H200's measured copy bandwidth (SPEC §9)
 FLA_NAME = "fla 0.6.0 fused_recurrent_kda"
-
-
-def time_loop(step, carry, n: int, reps: int) -> float:
-    """Median µs per step of `carry = step(carry)` run n times inside one jit (carry donated).
-
-    The n steps are unrolled into straight-line code, so no while-loop bookkeeping (XLA reads a
-    GPU while loop's predicate on the host each iteration) is charged to the step."""
-    loop = jax.jit(
-        lambda c: lax.fori_loop(0, n, lambda i, c: step(c), c, unroll=True), donate_argnums=0
-    )
-    for _ in range(2):  # compile and warm up
-        carry = jax.block_until_ready(loop(carry))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        carry = jax.block_until_ready(loop(carry))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / n * 1e6
 
 
 def random_state(cfg, batch, key):
@@ -107,7 +87,7 @@ def bench_block(cfg, params, batches, n, reps, records, meta):
             key = jax.random.key(b)
             x = jax.random.normal(key, (b, cfg.hidden), jnp.float32).astype(params.dtype)
             run = functools.partial(
-                time_loop,
+                common.time_loop,
                 _decode_step(params, cfg, backend),
                 (x, random_state(cfg, b, key)),
                 n,
@@ -116,7 +96,7 @@ def bench_block(cfg, params, batches, n, reps, records, meta):
             floor = (cfg.weight_bytes() + 2 * b * cfg.state_bytes()) / BANDWIDTH * 1e6
             shape = f"B={b},D={cfg.hidden},H={cfg.heads},K={cfg.head_dim}"
             base = None if backend == "xla" else times.get(("xla", b))
-            times[backend, b] = _record(
+            times[backend, b] = common.run_case(
                 records, meta, "decode", shape, backend, run, floor, base, "xla decode"
             )
     b = 1
@@ -125,12 +105,12 @@ def bench_block(cfg, params, batches, n, reps, records, meta):
         key = jax.random.key(100 + k)
         x = jax.random.normal(key, (b, k, cfg.hidden), jnp.float32).astype(params.dtype)
         run = functools.partial(
-            time_loop, _decode_k_step(params, cfg), (x, random_state(cfg, b, key)), n, reps
+            common.time_loop, _decode_k_step(params, cfg), (x, random_state(cfg, b, key)), n, reps
         )
         # The state is read once and written k times (the snapshots).
         floor = (cfg.weight_bytes() + (1 + k) * b * cfg.state_bytes()) / BANDWIDTH * 1e6
         shape = f"B={b},k={k},D={cfg.hidden},H={cfg.heads}"
-        _record(
+        common.run_case(
             records,
             meta,
             "decode_k",
@@ -141,23 +121,6 @@ def bench_block(cfg, params, batches, n, reps, records, meta):
             serial,
             "pallas decode (one token)",
         )
-
-
-def _record(records, meta, bench, shape, backend, run, floor, base_us, base_name):
-    """Runs one case and appends its record; returns µs per step, or None when it failed (the
-    record then holds time_us null and the error). `fraction` = floor / time."""
-    rec = dict(bench=bench, shape=shape, backend=backend, floor_us=round(floor, 2))
-    t = None
-    try:
-        t = run()
-        rec.update(time_us=round(t, 2), fraction=round(floor / t, 3))
-    except Exception as e:  # noqa: BLE001 - reported, never hidden
-        rec.update(time_us=None, fraction=None, error=f"{type(e).__name__}: {e}"[:400])
-        print(f"[{bench} {shape} {backend}] failed: {rec['error']}", file=sys.stderr)
-    rec["baseline"] = None if base_us is None else dict(name=base_name, time_us=round(base_us, 2))
-    rec.update(meta)
-    records.append(rec)
-    return t
 
 
 def _core_inputs(b, h, kd, key):
@@ -241,11 +204,11 @@ def bench_core(cfg, batches, n, reps, records, meta):
         ]
         for name, block in variants:
             step = functools.partial(_pallas_core_step, acts, params, kw, cfg.l2_eps, block)
-            run = functools.partial(time_loop, step, state + 0.0, n, reps)
-            _record(records, meta, "decode_core", shape, name, run, floor, fla, FLA_NAME)
+            run = functools.partial(common.time_loop, step, state + 0.0, n, reps)
+            common.run_case(records, meta, "decode_core", shape, name, run, floor, fla, FLA_NAME)
         step = functools.partial(_xla_core_step, acts, params, kw, cfg.l2_eps)
-        run = functools.partial(time_loop, step, state + 0.0, n, reps)
-        _record(records, meta, "decode_core", shape, "xla", run, floor, fla, FLA_NAME)
+        run = functools.partial(common.time_loop, step, state + 0.0, n, reps)
+        common.run_case(records, meta, "decode_core", shape, "xla", run, floor, fla, FLA_NAME)
 
 
 def _pallas_core_step(acts, params, kw, l2_eps, block, state):

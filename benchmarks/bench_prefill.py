@@ -42,13 +42,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # FLA shares th
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -78,37 +75,6 @@ def chunk_flops(b, t, h, kd, vd, c=64):
 
 def core_bytes(b, t, h, kd, vd):
     return b * t * h * (3 * kd * 2 + kd * 2 + 2 + vd * 2) + 2 * b * h * kd * vd * 4
-
-
-def time_loop(step, carry, n: int, reps: int) -> float:
-    """Median µs per step of `carry = step(carry)` run n times inside one jit (carry donated)."""
-    loop = jax.jit(lambda c: lax.fori_loop(0, n, lambda i, c: step(c), c), donate_argnums=0)
-    for _ in range(2):  # compile and warm up
-        carry = jax.block_until_ready(loop(carry))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        carry = jax.block_until_ready(loop(carry))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / n * 1e6
-
-
-def _record(records, meta, bench, shape, backend, run, floor, base_us, base_name, **extra):
-    """Runs one case and appends its record; returns µs per call, or None when it failed (the
-    record then holds time_us null and the error). `fraction` = floor / time."""
-    rec = dict(bench=bench, shape=shape, backend=backend, floor_us=round(floor, 2))
-    t = None
-    try:
-        t = run()
-        rec.update(time_us=round(t, 2), fraction=round(floor / t, 3))
-    except Exception as e:  # noqa: BLE001 - reported, never hidden
-        rec.update(time_us=None, fraction=None, error=f"{type(e).__name__}: {e}"[:400])
-        print(f"[{bench} {shape} {backend}] failed: {rec['error']}", file=sys.stderr)
-    rec["baseline"] = None if base_us is None else dict(name=base_name, time_us=round(base_us, 2))
-    rec.update({k: (v(t) if callable(v) else v) for k, v in extra.items()} if t else {})
-    rec.update(meta)
-    records.append(rec)
-    return t
 
 
 # ----------------------------------------------------------------------------------------------
@@ -201,9 +167,9 @@ def bench_core(shapes, n, reps, records, meta, h=32, kd=128):
                     file=sys.stderr,
                 )
             step = functools.partial(_core_step, inputs, lb)
-            run = functools.partial(time_loop, step, inputs[-1] + 0.0, n, reps)
+            run = functools.partial(common.time_loop, step, inputs[-1] + 0.0, n, reps)
             shape = f"B={b},T={t},H={h},K={kd},gate={gate}"
-            _record(
+            common.run_case(
                 records,
                 meta,
                 "prefill_core",
@@ -236,8 +202,8 @@ def bench_sweep(n, reps, records, meta, b=1, t=8192, h=32, kd=128):
             )
             return state + inter.gl[:, :, :1, :1]  # depends on the output; cheap
 
-        run = functools.partial(time_loop, prep_step, h0 + 0.0, n, reps)
-        _record(
+        run = functools.partial(common.time_loop, prep_step, h0 + 0.0, n, reps)
+        common.run_case(
             records,
             meta,
             "chunk_prepare",
@@ -267,8 +233,8 @@ def bench_sweep(n, reps, records, meta, b=1, t=8192, h=32, kd=128):
                 step = lambda s, blk=blk: _chunk_scan(  # noqa: E731
                     inter, s, t=t, out_dtype=jnp.bfloat16, blk=blk
                 )[1]
-                run = functools.partial(time_loop, step, h0 + 0.0, n, reps)
-                _record(
+                run = functools.partial(common.time_loop, step, h0 + 0.0, n, reps)
+                common.run_case(
                     records,
                     meta,
                     "chunk_scan",
@@ -309,10 +275,10 @@ def bench_block(cfg, params, ts, xla_max_t, n, reps, records, meta):
                 y, st = forward.prefill(params, cfg, carry[0], carry[1], backend=backend)
                 return y.astype(carry[0].dtype), st
 
-            run = functools.partial(time_loop, step, (x, state), n, reps)
+            run = functools.partial(common.time_loop, step, (x, state), n, reps)
             floor = block_flops(cfg, t) / PEAK * 1e6
             base = None if backend == "xla" else times.get(("xla", t))
-            times[backend, t] = _record(
+            times[backend, t] = common.run_case(
                 records,
                 meta,
                 "prefill_block",

@@ -89,3 +89,43 @@ def cuda_graph_us(call, reps: int, calls: int = 20) -> float:
     del graph
     torch.cuda.empty_cache()
     return statistics.median(times)
+
+
+def time_loop(step, carry, n: int, reps: int, unroll: int | bool = 1) -> float:
+    """Median us per step of `carry = step(carry)` run n times in one jitted `fori_loop` (carry
+    donated), after a compile and a warm-up call. `unroll=True` writes the n steps out as
+    straight-line code (on the H200 that measured slower than the rolled loop: NOTES.md)."""
+    import statistics
+    import time
+
+    from jax import lax
+
+    loop = jax.jit(
+        lambda c: lax.fori_loop(0, n, lambda i, c: step(c), c, unroll=unroll), donate_argnums=0
+    )
+    for _ in range(2):
+        carry = jax.block_until_ready(loop(carry))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        carry = jax.block_until_ready(loop(carry))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / n * 1e6
+
+
+def run_case(records, meta, bench, shape, backend, run, floor, base_us, base_name, **extra):
+    """Runs one case and appends its record; returns µs per call, or None when it failed (the
+    record then holds time_us null and the error). `fraction` = floor / time."""
+    rec = dict(bench=bench, shape=shape, backend=backend, floor_us=round(floor, 2))
+    t = None
+    try:
+        t = run()
+        rec.update(time_us=round(t, 2), fraction=round(floor / t, 3))
+    except Exception as e:  # noqa: BLE001 - reported, never hidden
+        rec.update(time_us=None, fraction=None, error=f"{type(e).__name__}: {e}"[:400])
+        print(f"[{bench} {shape} {backend}] failed: {rec['error']}", file=sys.stderr)
+    rec["baseline"] = None if base_us is None else dict(name=base_name, time_us=round(base_us, 2))
+    rec.update({k: (v(t) if callable(v) else v) for k, v in extra.items()} if t else {})
+    rec.update(meta)
+    records.append(rec)
+    return t

@@ -1,28 +1,32 @@
 #!/usr/bin/env bash
-# One H200 job: compiled GPU tests, then the benchmarks; results land under $OUT.
-# Usage (device machine, repo root): bash scripts/gpu_job.sh [tests|bench|all] [pytest args...]
-# Needs fla-core 0.6.0 as a wheel in .whl/ for the FLA baselines (see benchmarks/README.md).
+# One H200 job: compiled GPU tests and/or the benchmarks; logs and JSON records land in $OUT.
+#   bash scripts/gpu_job.sh tests|bench|all   (repo root, on the device machine)
+# Every step has its own time limit and writes as it goes, so a job cut short still returns
+# what finished. fla-core 0.6.0 (FLA baselines) is installed from a carried .whl/ if present.
 set -uo pipefail
-what=${1:-all}; shift || true
+what=${1:-all}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
 fi
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -q -p no:cacheprovider --timeout=300 "$@" tests 2>&1 | tee "$OUT/gpu_tests.log"
-  rc=${PIPESTATUS[0]}
+  for f in tests/test_*.py; do  # one pytest per file: a slow file cannot starve the others
+    name=$(basename "$f" .py)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -p no:warnings --tb=short -rfE "$f" \
+      > "$OUT/$name.log" 2>&1 || rc=1
+    echo "$name: $(tail -n 1 "$OUT/$name.log")"
+  done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  for b in gemv decode prefill; do
-    [ -f benchmarks/bench_$b.py ] || continue
-    timeout 240 python3 benchmarks/bench_$b.py --out "$OUT/bench_$b.json" 2>&1 | tee "$OUT/bench_$b.log" | grep -v Warning
+  for b in prefill decode gemv; do
+    timeout 300 python3 benchmarks/bench_$b.py --quick --out "$OUT/bench_$b.json" \
+      > "$OUT/bench_$b.log" 2>&1 || rc=1
+    grep -E "^(prefill|decode|chunk|gemv)" "$OUT/bench_$b.log" | head -40
   done
 fi
 exit $rc
