@@ -15,11 +15,14 @@ fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  for f in tests/test_*.py; do  # one pytest per file: a slow file cannot starve the others
-    name=$(basename "$f" .py)
+  # One pytest per file (a slow file cannot starve the others), all logged to one file: the
+  # device tool returns at most 8 files.
+  for f in tests/test_*.py; do
+    echo "=== $f" >> "$OUT/gpu_tests.log"
     timeout 240 python3 -m pytest -q -p no:cacheprovider -p no:warnings --tb=short -rfE "$f" \
-      > "$OUT/$name.log" 2>&1 || rc=1
-    echo "$name: $(tail -n 1 "$OUT/$name.log")"
+      > /tmp/one.log 2>&1 || rc=1
+    cat /tmp/one.log >> "$OUT/gpu_tests.log"
+    echo "$f: $(tail -n 1 /tmp/one.log)"
   done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
