@@ -153,14 +153,16 @@ def test_bad_inputs_are_refused():
 
 
 def test_default_block_sizes():
-    """Sizes ignore M (bit equality needs one program); w_in fills 132 SMs twice over."""
+    """Sizes ignore M (bit equality needs one program); w_in fills 132 SMs twice over with row
+    tiles, o_proj four times over with row tiles times D splits."""
     for n, d in REAL_SHAPES + SMALL_SHAPES:
         sizes = {G.GemvBlockSizes.default_for(n, d, m) for m in range(1, 9)}
         assert len(sizes) == 1, (n, d, sizes)
     bs = G.GemvBlockSizes.default_for(*W_IN)
     assert W_IN[1] % bs.block_d == 0 and common.cdiv(W_IN[0], bs.block_n) >= 2 * 132, bs
     bs = G.GemvBlockSizes.default_for(*O_PROJ)
-    assert common.cdiv(O_PROJ[0], bs.block_n) >= 132, bs
+    assert common.cdiv(O_PROJ[0], bs.block_n) * bs.split_d >= 4 * 132, bs
+    assert O_PROJ[1] % (bs.split_d * bs.block_d) == 0, bs
 
 
 # --------------------------------------------------------------------------------------------
