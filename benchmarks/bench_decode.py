@@ -9,7 +9,9 @@ Cases:
 - `decode`: `kda_jax.forward.decode` at B = 1, 8, 64, backends pallas and xla. Floor: the
   weights read once plus the state read and written, at 4.3 TB/s. Baseline: xla at the same B.
 - `decode_k`: k = 2, 4, 8 at B = 1 (pallas). Floor: weights once, the state read once and
-  written k times (the snapshots). Baseline: k serial pallas `decode` steps.
+  written k times (the snapshots). Baseline: one pallas `decode` step (the issue's ratio).
+- `conv_decode`: the conv + SiLU + L2 stage alone at B = 1, 64 (pallas and xla), so the whole
+  step can be split into its stages (the projections: bench_gemv.py; the core: below).
 - `decode_core`: L2 of raw q, k + gate + beta + recurrence + read-out (+ our gated RMSNorm,
   which FLA does not do) on bf16 inputs at B = 1, 8, 64, H = 32, K = V = 128, for several V tiles
   of the recurrent kernel (the first pallas record is the default tiling; block_v = V fuses the
@@ -226,6 +228,27 @@ def _xla_core_step(acts, params, kw, l2_eps, state):
     return ref.decode_core_reference(l2(q), l2(k), v, f, beta, z, state, *params, **kw)[1]
 
 
+def bench_conv(cfg, params, batches, n, reps, records, meta):
+    """conv_decode alone: the conv state is the carry (read and written each step)."""
+    from pallas_kernels.conv import conv_decode
+
+    kw = dict(qk_channels=cfg.qk_channels, head_dim=cfg.head_dim, l2_eps=cfg.l2_eps)
+    for b in batches:
+        key = jax.random.key(200 + b)
+        qkv = jax.random.normal(key, (b, 1, cfg.conv_dim), jnp.float32).astype(jnp.bfloat16)
+        conv0 = random_state(cfg, b, key).conv
+        # raw inputs (bf16) and q|k|v out (fp32) once, the conv state read and written.
+        floor = (qkv.size * 2 + qkv.size * 4 + 2 * conv0.size * 4) / BANDWIDTH * 1e6
+        for backend, fn in (("pallas", conv_decode), ("xla", ref.conv_decode_reference)):
+
+            def step(state, fn=fn, qkv=qkv):
+                return fn(qkv, state, params.conv_w, **kw)[1][:, -1]
+
+            run = functools.partial(common.time_loop, step, conv0 + 0.0, n, reps)
+            shape = f"B={b},R=1,C={cfg.conv_dim}"
+            common.run_case(records, meta, "conv_decode", shape, backend, run, floor, None, "")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file for the list of records")
@@ -239,6 +262,7 @@ def main():
     records = common.Records(args.out)
     bench_core(cfg, batches, 16 if args.quick else 64, reps, records, meta)
     bench_block(cfg, params, batches, 8 if args.quick else 32, reps, records, meta)
+    bench_conv(cfg, params, batches, 16 if args.quick else 64, reps, records, meta)
     print(
         f"\n{'bench':<12}{'shape':<34}{'backend':<22}{'time_us':>9}{'floor_us':>9}"
         f"{'x_floor':>8}  baseline"
