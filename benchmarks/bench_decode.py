@@ -164,11 +164,8 @@ def fla_core_us(b, h, kd, reps):
             A_log=a_log,
             dt_bias=dt_bias,
             initial_state=h0,
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-            use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True,
             inplace_final_state=True,
+            **common.FLA_OPTIONS,
         )
 
     return common.cuda_graph_us(call, reps)

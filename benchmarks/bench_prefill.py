@@ -112,10 +112,7 @@ def fla_us(inputs, lower_bound, reps):
             A_log=a_log,
             dt_bias=dt_bias,
             initial_state=h0,
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-            use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True,
+            **common.FLA_OPTIONS,
             **extra,
         )
 

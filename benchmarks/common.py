@@ -33,6 +33,15 @@ def meta() -> dict:
     )
 
 
+# How SPEC §9 called FLA 0.6.0 (L2, gate and beta in its kernels, initial and final state).
+FLA_OPTIONS = dict(
+    output_final_state=True,
+    use_qk_l2norm_in_kernel=True,
+    use_gate_in_kernel=True,
+    use_beta_sigmoid_in_kernel=True,
+)
+
+
 class Records(list):
     """A list of result records that rewrites its JSON file and prints a line on every append,
     so a run cut short by a time limit still leaves every finished case on disk."""

@@ -39,10 +39,6 @@ class KdaState:
             conv=jnp.zeros(cfg.conv_state_shape(batch), jnp.float32),
         )
 
-    @property
-    def batch(self) -> int:
-        return self.recurrent.shape[0]
-
     def check(self, cfg: KdaConfig, batch: int) -> None:
         """Raises ValueError unless this is an fp32 state for `batch` sequences of `cfg`."""
         for name, arr, shape in (

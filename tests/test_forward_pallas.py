@@ -58,7 +58,7 @@ def test_pallas_decode_and_verify_stage_by_stage(name, rng):
 
     def conv_fn(qkv):
         out, states = ref.conv_decode_reference(qkv, s0.conv, p.conv_w, **hk)
-        self_conv.update(states=states)
+        ref_out.update(states=states)
         q, kk, v = (out[..., i * cfg.qkv_dim : (i + 1) * cfg.qkv_dim] for i in range(3))
         shape = (b, k, cfg.heads, cfg.head_dim)
         return dict(q=q.reshape(shape), k=kk.reshape(shape), v=v.reshape(shape))
@@ -81,16 +81,16 @@ def test_pallas_decode_and_verify_stage_by_stage(name, rng):
             snapshots=True,
             out_dtype=jnp.float32,
         )
-        self_conv.update(state=s_ref, snaps=snaps_ref)
+        ref_out.update(state=s_ref, snaps=snaps_ref)
         return dict(o_norm_out=y_ref)
 
-    self_conv = {}
+    ref_out = {}
     want = _isolated_stages(p, cfg, x.reshape(b * k, -1), conv_fn, core_fn, st)
     for n, w in want.items():
         assert_close(_flat(st[n], b * k), _flat(w, b * k), TOL["bf16_stage"], f"stage {n}")
-    assert_close(snaps.recurrent, self_conv["snaps"], TOL["bf16_stage"], "snapshots")
-    assert_close(s_last.recurrent, self_conv["state"], TOL["bf16_stage"], "state")
-    np.testing.assert_array_equal(snaps.conv, self_conv["states"])
+    assert_close(snaps.recurrent, ref_out["snaps"], TOL["bf16_stage"], "snapshots")
+    assert_close(s_last.recurrent, ref_out["state"], TOL["bf16_stage"], "state")
+    np.testing.assert_array_equal(snaps.conv, ref_out["states"])
     # End to end against the fp32 oracle fed the same weights and input.
     y_o, s_o, _ = K.oracle_forward(p, cfg, x, s0)
     assert_close(y, y_o, TOL["bf16_e2e"], "verify y vs oracle")
