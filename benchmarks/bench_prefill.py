@@ -191,7 +191,7 @@ def bench_sweep(n, reps, records, meta, b=1, t=8192, h=32, kd=128):
     shape = f"B={b},T={t},H={h},K={kd},gate=unbounded"
     inter = None
     for warps in (4, 8):
-        blk = PrepareBlockSizes(sub=16, num_warps=warps)
+        blk = PrepareBlockSizes(sub=16, block_k=min(32, kd), num_warps=warps)
 
         def prep_step(state, blk=blk):
             inter = _chunk_prepare(
@@ -221,7 +221,7 @@ def bench_sweep(n, reps, records, meta, b=1, t=8192, h=32, kd=128):
         a_log,
         dt_bias,
         **kw,
-        blk=PrepareBlockSizes.default_for(64, kd),
+        blk=PrepareBlockSizes.default_for(kd, kd),
     )
     for bv in (32, 64, 128):
         for warps in (4, 8):
@@ -242,7 +242,7 @@ def bench_sweep(n, reps, records, meta, b=1, t=8192, h=32, kd=128):
                     None,
                     None,
                 )
-    print("defaults:", PrepareBlockSizes.default_for(64, kd), ScanBlockSizes.default_for(b, h, kd))
+    print("defaults:", PrepareBlockSizes.default_for(kd, kd), ScanBlockSizes.default_for(b, h, kd))
 
 
 # ----------------------------------------------------------------------------------------------

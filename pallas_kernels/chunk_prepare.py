@@ -12,14 +12,20 @@ products per chunk and nothing else:
     w       = T (beta * k * exp(G)),  u = T (beta * v)
     qg      = s q exp(G),  kg = k exp(G_last - G),  gl = exp(G_last)
 
+Streaming: the kernel walks the K (and V) columns in slices of `block_k` and keeps only the
+[sub, sub] score and inverse tiles across slices, so registers never hold the [C, K] chunk
+(holding it spilled to local memory and cost 5x in the first version). The sums over K of the
+scores accumulate slice by slice; the gate and its cumulative sum are recomputed per slice from
+f when w needs them again.
+
 Decay safety (SPEC §5, overflow hazard): every exponent evaluated is <= 0. The chunk is cut into
-sub-blocks of `sub` rows. With the unbounded gate, a diagonal sub-block is computed pairwise, one
-query row at a time for all sub-blocks together (block-local sums Gl_r accumulated token by
-token, then exp(Gl_r - Gl_j) for all j <= r with the mask applied before `exp`, reductions along
-K only). With a bounded gate whose sub-block span stays far from overflow
-((sub - 1) |lb| <= 80 nats, e.g. lb = -5) the diagonal factorises around its middle row instead
-(one product). An off-diagonal tile (row block I > column block J) factorises around r, the last
-token of block I-1: exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both exponents <= 0.
+sub-blocks of `sub` rows, with block-local cumulative sums Gl_i and block totals S_i
+(G = S_0 + .. + S_{i-1} + Gl_i). With the unbounded gate a diagonal sub-block is computed
+pairwise as a [sub, sub, block_k] tile, the mask applied before `exp`. With a bounded gate whose
+sub-block span stays far from overflow ((sub - 1) |lb| <= 80 nats, e.g. lb = -5) the diagonal
+factorises around its middle row instead (one product). An off-diagonal tile (row block i >
+column block j) factorises as exp(G_a - G_b) = exp(Gl_a) exp(S_{j+1} + .. + S_{i-1})
+exp(S_j - Gl_b): three exponents <= 0, no differences of large cumulative sums.
 T is built block by block: the diagonal [sub, sub] inverses as (I - L)(I + L^2)(I + L^4)(I + L^8)
 plus one Newton step (as accurate as an fp32 triangular solve, measured against float64), the
 off-diagonal blocks by T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ (full fp32 dots, no TF32).
@@ -70,16 +76,19 @@ class PrepareBlockSizes:
 
     Attributes:
       sub: rows of a sub-block (16: the smallest Triton dot side); divides the chunk.
+      block_k: width of the K (and V) column slices the kernel streams through; a power of two
+        >= 16 dividing K and V. Every per-slice temporary is [sub, block_k] (the unbounded
+        diagonal's [sub, sub, block_k]), so registers hold the score accumulators, not the chunk.
       num_warps: Triton warps per program.
     """
 
     sub: int = 16
+    block_k: int = 32
     num_warps: int = 4
 
     @staticmethod
-    def default_for(chunk: int, head_dim: int) -> PrepareBlockSizes:
-        """16-row sub-blocks; 8 warps once the [chunk, K] tiles outgrow 4 warps' registers."""
-        return PrepareBlockSizes(sub=16, num_warps=8 if chunk * head_dim >= 64 * 128 else 4)
+    def default_for(head_dim: int, v_dim: int) -> PrepareBlockSizes:
+        return PrepareBlockSizes(sub=16, block_k=min(32, head_dim, v_dim), num_warps=4)
 
 
 def _rows_and_cols(n: int):
@@ -88,65 +97,47 @@ def _rows_and_cols(n: int):
     return rows, cols
 
 
-def _diag_pairwise(k_tiles, load_row, *, sub: int):
-    """Local cumulative decay and pairwise scores of every diagonal sub-block, row by row.
+def _needs_pairwise(lower_bound: float | None, sub: int) -> bool:
+    """Whether diagonal sub-blocks must be computed pairwise (unbounded or strong bounded gate)."""
+    return lower_bound is None or (sub - 1) * abs(lower_bound) > _FACTORISED_MAX_NATS
 
-    Row r of each block (the blocks advance together, for independent work per step): the local
-    running sum Gl_r = Gl_{r-1} + g_r (G relative to the block's start), then A[r, j] and L[r, j]
-    for every j <= r at once from exp(Gl_r - Gl_j) over the rows built so far, the mask applied
-    before `exp` (exponents <= 0 at any decay). Only reductions along K are needed (within a
-    warp); the scores are built transposed.
 
-    k_tiles: nb x [sub, K]; load_row(i, r) -> (g, q, k) of row r of block i, each [1, K], 0 at
-    pads. Returns per block (Gl [sub, K], Gl of the last row [1, K] (the same bits),
-    qk [sub, sub] with j <= i, kk [sub, sub] with j < i).
+def _diag_pairwise(q, k, gl):
+    """Scores of one diagonal sub-block over one column slice, every pair on its own.
+
+    q, k, gl: [sub, bk] (gl = block-local cumulative log-decay). Returns (sum_d q_i k_j e_ijd,
+    sum_d k_i k_j e_ijd) [sub, sub] with e_ijd = exp(gl_id - gl_jd) for j <= i and 0 above: the
+    mask is applied before `exp`, so no exponent is positive at any decay strength.
     """
-    rows, cols = _rows_and_cols(sub)
-    row_ids = lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
-    col_ids = lax.broadcasted_iota(jnp.int32, (1, sub), 1)
-
-    def row(r, acc):
-        out = []
-        for i, (g_run, gt, qk_t, kk_t) in enumerate(acc):
-            g_r, q_r, k_r = load_row(i, r)
-            g_run = g_run + g_r  # Gl at row r; its tile row below holds the same bits
-            gt = jnp.where(row_ids == r, g_run, gt)
-            kd = k_tiles[i] * jnp.exp(jnp.where(row_ids <= r, g_run - gt, -jnp.inf))
-            qk_t = jnp.where(col_ids == r, jnp.sum(kd * q_r, axis=1, keepdims=True), qk_t)
-            kk_t = jnp.where(col_ids == r, jnp.sum(kd * k_r, axis=1, keepdims=True), kk_t)
-            out.append((g_run, gt, qk_t, kk_t))
-        return tuple(out)
-
-    kd_ = k_tiles[0].shape[1]
-    zero = jnp.zeros((sub, sub), f32)
-    init = tuple(
-        (jnp.zeros((1, kd_), f32), jnp.zeros((sub, kd_), f32), zero, zero) for _ in k_tiles
-    )
-    res = lax.fori_loop(0, sub, row, init)
-    return [(gt, g_run, qk.T, jnp.where(rows > cols, kk.T, 0.0)) for g_run, gt, qk, kk in res]
+    sub = q.shape[0]
+    rows = lax.broadcasted_iota(jnp.int32, (sub, sub, 1), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (sub, sub, 1), 1)
+    e = jnp.exp(jnp.where(rows >= cols, gl[:, None, :] - gl[None, :, :], -jnp.inf))
+    ke = k[None, :, :] * e
+    return jnp.sum(q[:, None, :] * ke, axis=2), jnp.sum(k[:, None, :] * ke, axis=2)
 
 
-def _diag_scores_factorised(q, k, G, *, sub: int):
+def _diag_factorised(q, k, gl):
     """The same scores by one product each, factorised around the middle row m of the block.
 
     Only for a bounded gate with (sub - 1) * |lb| <= _FACTORISED_MAX_NATS: a factor's exponent is
     then at most sub/2 * |lb| and a masked-out product at most (sub - 1) * |lb|, far from fp32
-    overflow (88 nats); the kept entries are exactly exp(G_i - G_j) <= 1.
+    overflow (88 nats); the kept entries are exactly exp(G_i - G_j) <= 1. Entries above the
+    diagonal are garbage (finite) and masked by the caller.
     """
-    rows, cols = _rows_and_cols(sub)
+    sub = q.shape[0]
     row_ids = lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
-    g_m = jnp.sum(jnp.where(row_ids == sub // 2, G, 0.0), axis=0, keepdims=True)  # [1, K]
-    to_m, from_m = jnp.exp(G - g_m), jnp.exp(g_m - G)
+    g_m = jnp.sum(jnp.where(row_ids == sub // 2, gl, 0.0), axis=0, keepdims=True)  # [1, bk]
+    to_m, from_m = jnp.exp(gl - g_m), jnp.exp(g_m - gl)
     kd = k * from_m
-    dims = (((1,), (1,)), ((), ()))
-    qk = lax.dot_general(q * to_m, kd, dims, preferred_element_type=f32)
-    kk = lax.dot_general(k * to_m, kd, dims, preferred_element_type=f32)
-    return jnp.where(rows >= cols, qk, 0.0), jnp.where(rows > cols, kk, 0.0)
+    return _dot_nt(q * to_m, kd), _dot_nt(k * to_m, kd)
 
 
-def _needs_pairwise(lower_bound: float | None, sub: int) -> bool:
-    """Whether diagonal sub-blocks must be computed pairwise (unbounded or strong bounded gate)."""
-    return lower_bound is None or (sub - 1) * abs(lower_bound) > _FACTORISED_MAX_NATS
+def _dot_nt(x, y, precision=None):
+    """x @ y.T with fp32 accumulation."""
+    return lax.dot_general(
+        x, y, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=f32
+    )
 
 
 def _unit_lower_inverse(lmat, *, sub: int):
@@ -187,106 +178,119 @@ def _chunk_prepare_kernel(
     lower_bound: float | None,
     l2_eps: float | None,
     sub: int,
+    block_k: int,
 ):
     """One (sequence, chunk, head).
 
     len_ref: [Bp] int32; q_ref, k_ref, f_ref: [C, K]; v_ref: [C, V]; b_ref: [C]; ea_ref (exp A_log
     broadcast over K), dt_ref: [K]. Outputs: qg_ref, kg_ref, w_ref: [C, K]; u_ref: [C, V];
     a_ref: [C, C]; gl_ref: [1, K].
+
+    Sub-block i holds rows i*sub..; per column slice, Gl_i is its block-local cumulative
+    log-decay and S_i = Gl_i's last row (the block's total), so G = (S_0 + .. + S_{i-1}) + Gl_i.
+    Every exponential below is of a sum of such terms that is <= 0.
     """
-    c = q_ref.shape[0]
-    nb = c // sub
+    c, kd = q_ref.shape
+    vd = v_ref.shape[1]
+    nb, bk = c // sub, block_k
     seq, chunk_idx = pl.program_id(0), pl.program_id(1)
     length = len_ref[seq]
-    ea = ea_ref[...].astype(f32)[None, :]
-    dt = dt_ref[...].astype(f32)[None, :]
     offs = lax.broadcasted_iota(jnp.int32, (sub,), 0)
-    pairwise = _needs_pairwise(lower_bound, sub)
-    kd_ = ea.shape[1]
-
-    def block(i):
-        """Sub-block i (rows i*sub..): validity, a masked loader (pads and rows past T read 0;
-        q and k come back L2-normalised when l2_eps is set) and beta [sub, 1] (0 at pads)."""
-        valid = chunk_idx * c + i * sub + offs < length  # [sub]
-        rows = pl.ds(i * sub, sub)
-
-        def load(ref, qk: bool = False):
-            x = plt.load(ref.at[rows, :], mask=valid[:, None], other=0.0).astype(f32)
-            if qk and l2_eps is not None:
-                x = x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + l2_eps)
-            return x
-
-        beta = jnp.where(valid, beta_math(plt.load(b_ref.at[rows], mask=valid, other=0.0)), 0.0)
-        return valid, load, beta[:, None]
-
-    def tile(ref, i):
-        return ref.at[pl.ds(i * sub, sub), :]
-
-    def gate_rows(load, valid):
-        return jnp.where(valid, gate_math(load(f_ref) + dt, ea, lower_bound), 0.0)
-
-    def load_row(i, r):
-        """g, q, k of token i*sub + r for `_diag_pairwise`, each [1, K], 0 at pads."""
-        valid = jnp.broadcast_to(chunk_idx * c + i * sub + r < length, (1, kd_))
-        rows = pl.ds(i * sub + r, 1)
-        load = lambda ref: plt.load(ref.at[rows, :], mask=valid, other=0.0).astype(f32)  # noqa
-        q_r, k_r = load(q_ref), load(k_ref)
-        if l2_eps is not None:
-            q_r = q_r * lax.rsqrt(jnp.sum(q_r * q_r, axis=1, keepdims=True) + l2_eps)
-            k_r = k_r * lax.rsqrt(jnp.sum(k_r * k_r, axis=1, keepdims=True) + l2_eps)
-        return gate_rows(load, valid), q_r, k_r
-
+    valid = [chunk_idx * c + i * sub + offs < length for i in range(nb)]  # [sub] per block
     last_row = lax.broadcasted_iota(jnp.int32, (sub, 1), 0) == sub - 1
+    pairwise = _needs_pairwise(lower_bound, sub)
+    k_slices = [pl.ds(s * bk, bk) for s in range(kd // bk)]
+    v_slices = [pl.ds(s * bk, bk) for s in range(vd // bk)]
 
-    def diag_factorised(i):
-        """Local cumsum and factorised diagonal scores of block i (bounded gate)."""
-        valid, load, _ = block(i)
-        g_loc = jnp.cumsum(gate_rows(load, valid[:, None]), axis=0)
-        g_tot = jnp.sum(jnp.where(last_row, g_loc, 0.0), axis=0, keepdims=True)  # exact pick
-        qk, kk = _diag_scores_factorised(load(q_ref, qk=True), load(k_ref, qk=True), g_loc, sub=sub)
-        return g_loc, g_tot, qk, kk
+    def rows(i):
+        return pl.ds(i * sub, sub)
 
-    # 1-2. Gate and chunk-local cumulative log-decay G (g = 0 at pads keeps G flat), then the
-    # score tiles A_IJ (j <= i, stored now) and L_IJ (j < i), every exponent <= 0. Diagonal
-    # blocks work on block-local sums Gl; G = Gl + (G before the block). The carry into block i+1
-    # is computed with the same operation as G's last row, so G_r - G_r is 0 to the bit wherever
-    # a factorisation meets its reference token r.
-    if pairwise:
-        k_tiles = []
-        for i in range(nb):
-            _, load, _ = block(i)
-            k_tiles.append(load(k_ref, qk=True))
-        diag = _diag_pairwise(k_tiles, load_row, sub=sub)
+    def load(ref, i, cols):
+        """[sub, bk] fp32 of block i, 0 at pads and past T (whatever the pads hold)."""
+        x = plt.load(ref.at[rows(i), cols], mask=valid[i][:, None], other=0.0)
+        return x.astype(f32)
+
+    # L2 norms of q and k per row (FLA's use_qk_l2norm_in_kernel), applied to each slice.
+    if l2_eps is None:
+        rq = rk = [1.0] * nb
     else:
-        diag = [diag_factorised(i) for i in range(nb)]
-    gs, gls, starts, l_t = [], [], [], {}
-    carry = jnp.zeros((1, kd_), f32)
-    dims = (((1,), (1,)), ((), ()))
+        rq, rk = [], []
+        for i in range(nb):
+            sq = sum(
+                jnp.sum(jnp.square(load(q_ref, i, s)), axis=1, keepdims=True) for s in k_slices
+            )
+            sk = sum(
+                jnp.sum(jnp.square(load(k_ref, i, s)), axis=1, keepdims=True) for s in k_slices
+            )
+            rq.append(lax.rsqrt(sq + l2_eps))
+            rk.append(lax.rsqrt(sk + l2_eps))
+    beta = []
     for i in range(nb):
-        _, load, beta = block(i)
-        q_i, k_i = load(q_ref, qk=True), load(k_ref, qk=True)
-        g_loc, g_tot, qk, kk = diag[i]
-        starts.append(carry)  # G at the last token of block i-1 (0 before the chunk)
-        g_i = g_loc + carry
-        carry = g_tot + carry
-        gs.append(g_i)
-        gls.append(g_loc)
-        a_t = {i: scale * qk}
-        l_t[i, i] = beta * kk
-        if i:
-            to_r = jnp.exp(g_loc)  # rows of block i back to r = last token of block i-1
-            q_r, k_r = q_i * to_r, k_i * to_r
-            for j in range(i):
-                _, load_j, _ = block(j)
-                from_r = jnp.exp((starts[i] - starts[j]) - gls[j])  # r back to columns of j
-                k_j = load_j(k_ref, qk=True) * from_r
-                a_t[j] = scale * lax.dot_general(q_r, k_j, dims, preferred_element_type=f32)
-                l_t[i, j] = beta * lax.dot_general(k_r, k_j, dims, preferred_element_type=f32)
+        b_i = beta_math(plt.load(b_ref.at[rows(i)], mask=valid[i], other=0.0))
+        beta.append(jnp.where(valid[i], b_i, 0.0)[:, None])
+
+    def decay(i, cols):
+        """(Gl_i, S_i) over a column slice: gate of block i (0 at pads), local cumsum, total."""
+        ea = ea_ref[cols].astype(f32)[None, :]
+        dt = dt_ref[cols].astype(f32)[None, :]
+        g = jnp.where(valid[i][:, None], gate_math(load(f_ref, i, cols) + dt, ea, lower_bound), 0.0)
+        gl = jnp.cumsum(g, axis=0)
+        return gl, jnp.sum(jnp.where(last_row, gl, 0.0), axis=0, keepdims=True)
+
+    # 1-2. Scores, accumulated over the column slices. A_ij (j <= i) and L_ij (j < i) per pair
+    # of sub-blocks; an off-diagonal pair (i > j) factorises as exp(G_i - G_j) =
+    # exp(Gl_i) exp(S_{j+1} + .. + S_{i-1}) exp(S_j - Gl_j). qg and kg are written on the way.
+    acc_a, acc_l = {}, {}
+
+    def add(acc, key, x):
+        acc[key] = x if key not in acc else acc[key] + x
+
+    for cols in k_slices:
+        tots, kts = [], []
+        cum = jnp.zeros((1, bk), f32)  # G at the end of the previous block
+        for i in range(nb):
+            gl, tot = decay(i, cols)
+            q = load(q_ref, i, cols) * rq[i]
+            k = load(k_ref, i, cols) * rk[i]
+            qg_ref[rows(i), cols] = (scale * q * jnp.exp(cum + gl)).astype(qg_ref.dtype)
+            eg = jnp.exp(gl)
+            qd, kd_ = q * eg, k * eg
+            between = None  # S_{j+1} + .. + S_{i-1}
+            for j in range(i - 1, -1, -1):
+                if j < i - 1:
+                    between = tots[j + 1] if between is None else between + tots[j + 1]
+                scaled = (
+                    (qd, kd_)
+                    if between is None
+                    else (qd * jnp.exp(between), kd_ * jnp.exp(between))
+                )
+                add(acc_a, (i, j), _dot_nt(scaled[0], kts[j]))
+                add(acc_l, (i, j), _dot_nt(scaled[1], kts[j]))
+            diag = _diag_pairwise if pairwise else _diag_factorised
+            qk, kk = diag(q, k, gl)
+            add(acc_a, (i, i), qk)
+            add(acc_l, (i, i), kk)
+            tots.append(tot)
+            kts.append(k * jnp.exp(tot - gl))
+            cum = cum + tot
+        gl_ref[:, cols] = jnp.exp(cum)
+        after = jnp.zeros((1, bk), f32)  # S_{i+1} + .. + S_{nb-1}
+        for i in range(nb - 1, -1, -1):
+            kg_ref[rows(i), cols] = (kts[i] * jnp.exp(after)).astype(kg_ref.dtype)
+            after = after + tots[i]
+
+    rws, cls = _rows_and_cols(sub)
+    l_t = {}
+    for i in range(nb):
         for j in range(nb):
-            a_ij = a_t[j] if j <= i else jnp.zeros((sub, sub), f32)
-            a_ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)] = a_ij.astype(a_ref.dtype)
-    g_last = carry
-    gl_ref[...] = jnp.exp(g_last)
+            a_ij = jnp.zeros((sub, sub), f32)
+            if j < i:
+                a_ij = scale * acc_a[i, j]
+                l_t[i, j] = beta[i] * acc_l[i, j]
+            elif j == i:
+                a_ij = jnp.where(rws >= cls, scale * acc_a[i, i], 0.0)
+                l_t[i, i] = beta[i] * jnp.where(rws > cls, acc_l[i, i], 0.0)
+            a_ref[rows(i), pl.ds(j * sub, sub)] = a_ij.astype(a_ref.dtype)
 
     # 3. T = (I + L)^-1 by sub-blocks: T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ.
     t_t = {(i, i): _unit_lower_inverse(l_t[i, i], sub=sub) for i in range(nb)}
@@ -298,25 +302,26 @@ def _chunk_prepare_kernel(
             )
             t_t[i, j] = -jnp.dot(t_t[i, i], acc, precision=HI, preferred_element_type=f32)
 
-    # 4. w = T (beta k exp(G)), u = T (beta v), and the scan's pre-decayed q and k.
-    for i in range(nb):
-        _, load, _ = block(i)
-        q_i, k_i = load(q_ref, qk=True), load(k_ref, qk=True)
-        tile(qg_ref, i)[...] = (scale * q_i * jnp.exp(gs[i])).astype(qg_ref.dtype)
-        tile(kg_ref, i)[...] = (k_i * jnp.exp(g_last - gs[i])).astype(kg_ref.dtype)
-        w_acc = jnp.zeros(k_i.shape, f32)
-        u_acc = jnp.zeros((sub, v_ref.shape[1]), f32)
-        for j in range(i + 1):
-            _, load_j, beta_j = block(j)
-            kb = beta_j * load_j(k_ref, qk=True) * jnp.exp(gs[j])
-            vb = beta_j * load_j(v_ref)
-            w_acc += jnp.dot(t_t[i, j], kb, preferred_element_type=f32)
-            u_acc += jnp.dot(t_t[i, j], vb, preferred_element_type=f32)
-        tile(w_ref, i)[...] = w_acc.astype(w_ref.dtype)
-        tile(u_ref, i)[...] = u_acc.astype(u_ref.dtype)
+    # 4. w = T (beta k exp(G)) and u = T (beta v), slice by slice.
+    def apply_t(out_ref, cols, parts):
+        for i in range(nb):
+            acc = sum(
+                jnp.dot(t_t[i, j], parts[j], preferred_element_type=f32) for j in range(i + 1)
+            )
+            out_ref[rows(i), cols] = acc.astype(out_ref.dtype)
+
+    for cols in k_slices:
+        parts, cum = [], jnp.zeros((1, bk), f32)
+        for j in range(nb):
+            gl, tot = decay(j, cols)
+            parts.append(beta[j] * load(k_ref, j, cols) * rk[j] * jnp.exp(cum + gl))
+            cum = cum + tot
+        apply_t(w_ref, cols, parts)
+    for cols in v_slices:
+        apply_t(u_ref, cols, [beta[j] * load(v_ref, j, cols) for j in range(nb)])
 
 
-def _check_shapes(q, k, v, f, b, lengths, a_log, dt_bias, chunk, sub):
+def _check_shapes(q, k, v, f, b, lengths, a_log, dt_bias, chunk, blk):
     bsz, t, h, kd = q.shape
     vd = v.shape[-1]
     want = {
@@ -334,8 +339,13 @@ def _check_shapes(q, k, v, f, b, lengths, a_log, dt_bias, chunk, sub):
     for name, n in (("K", kd), ("V", vd), ("chunk", chunk)):
         if n < 16 or n & (n - 1):
             raise ValueError(f"chunk_prepare: {name}={n} must be a power of two >= 16")
-    if chunk % sub:
-        raise ValueError(f"chunk_prepare: chunk={chunk} must be a multiple of sub={sub}")
+    if chunk % blk.sub:
+        raise ValueError(f"chunk_prepare: chunk={chunk} must be a multiple of sub={blk.sub}")
+    if blk.block_k < 16 or blk.block_k & (blk.block_k - 1) or kd % blk.block_k or vd % blk.block_k:
+        raise ValueError(
+            f"chunk_prepare: block_k={blk.block_k} must be a power of two >= 16 dividing "
+            f"K={kd} and V={vd}"
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk", "lower_bound", "mm_dtype", "l2_eps"))
@@ -370,7 +380,7 @@ def chunk_prepare(
     Returns:
       ChunkIntermediates with N = ceil(T / C) chunks per sequence.
     """
-    blk = PrepareBlockSizes.default_for(chunk, q.shape[-1])
+    blk = PrepareBlockSizes.default_for(q.shape[-1], v.shape[-1])
     return _chunk_prepare(
         q,
         k,
@@ -396,7 +406,7 @@ def _chunk_prepare(
     q, k, v, f, b, lengths, a_log, dt_bias, *, scale, chunk, lower_bound, mm_dtype, l2_eps, blk
 ) -> ChunkIntermediates:
     """`chunk_prepare` with explicit block sizes (benchmarks sweep them)."""
-    _check_shapes(q, k, v, f, b, lengths, a_log, dt_bias, chunk, blk.sub)
+    _check_shapes(q, k, v, f, b, lengths, a_log, dt_bias, chunk, blk)
     bsz, t, h, kd = q.shape
     vd = v.shape[-1]
     n = common.cdiv(t, chunk)
@@ -425,7 +435,12 @@ def _chunk_prepare(
         gl=pl.BlockSpec((None, None, 1, kd), lambda s, c, hh: (s, hh, c, 0)),
     )
     kernel = functools.partial(
-        _chunk_prepare_kernel, scale=scale, lower_bound=lower_bound, l2_eps=l2_eps, sub=blk.sub
+        _chunk_prepare_kernel,
+        scale=scale,
+        lower_bound=lower_bound,
+        l2_eps=l2_eps,
+        sub=blk.sub,
+        block_k=blk.block_k,
     )
     res = pl.pallas_call(
         kernel,

@@ -18,7 +18,12 @@ from conftest import ON_GPU, TOL, assert_close, lower_for_h200, normal, rel_rms
 
 from pallas_kernels import reference as ref
 from pallas_kernels.chunk import chunk_kda, prefill_core
-from pallas_kernels.chunk_prepare import ChunkIntermediates, chunk_prepare
+from pallas_kernels.chunk_prepare import (
+    ChunkIntermediates,
+    PrepareBlockSizes,
+    _chunk_prepare,
+    chunk_prepare,
+)
 from pallas_kernels.chunk_scan import chunk_scan
 
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -124,6 +129,37 @@ def test_prepare_fused_l2(rng):
     want = chunk_prepare(q, k, v, f, beta, lengths, a_log, dt_bias, **kw)
     for name in ChunkIntermediates._fields:
         assert_close(getattr(got, name), getattr(want, name), FP32_TOL, name)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
+def test_prepare_column_slices(rng, lower_bound):
+    """K and V streamed in two slices (block_k=16 of 32) over four sub-blocks (chunk 64), with
+    the L2 norm fused: the scores summed slice by slice equal the reference."""
+    q, k, v, f, beta, lengths, a_log, dt_bias = _prep_args(_inputs(rng))
+    kw = dict(scale=K**-0.5, chunk=64, lower_bound=lower_bound, mm_dtype=f32)
+    blk = PrepareBlockSizes(sub=16, block_k=16)
+    got = _chunk_prepare(
+        3.0 * q, 0.5 * k, v, f, beta, lengths, a_log, dt_bias, **kw, l2_eps=1e-6, blk=blk
+    )
+    want = ChunkIntermediates(
+        *ref.chunk_prepare_reference(q, k, v, f, beta, lengths, a_log, dt_bias, **kw)
+    )
+    for name in ChunkIntermediates._fields:
+        assert_close(getattr(got, name), getattr(want, name), FP32_TOL, name)
+
+
+def test_prepare_rejects_bad_block_k(rng):
+    args = _prep_args(_inputs(rng))
+    with pytest.raises(ValueError, match="block_k=24 must be a power of two"):
+        _chunk_prepare(
+            *args,
+            scale=K**-0.5,
+            chunk=16,
+            lower_bound=None,
+            mm_dtype=f32,
+            l2_eps=None,
+            blk=PrepareBlockSizes(block_k=24),
+        )
 
 
 def test_prepare_strong_decay_is_finite_and_exact(rng):

@@ -1,0 +1,142 @@
+"""Stage times of the chunked prefill at B=1, T=8192, H=32 (ours per kernel; FLA per kernel
+through torch.profiler), for tuning. Usage: python benchmarks/stage_profile.py --out PATH"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+from bench_prefill import L2_EPS, LB, _lengths_from, core_inputs  # noqa: E402
+
+from pallas_kernels.chunk_prepare import PrepareBlockSizes, _chunk_prepare  # noqa: E402
+from pallas_kernels.chunk_scan import ScanBlockSizes, _chunk_scan  # noqa: E402
+
+
+def fla_kernels(inputs, lower_bound):
+    """Per-kernel CUDA time (us per call) of FLA chunk_kda, from torch.profiler."""
+    import torch
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, g, beta, a_log, dt_bias, h0 = (torch.from_dlpack(x) for x in inputs)
+    extra = {} if lower_bound is None else dict(safe_gate=True, lower_bound=lower_bound)
+
+    def call():
+        return fla_chunk_kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log=a_log,
+            dt_bias=dt_bias,
+            initial_state=h0,
+            **common.FLA_OPTIONS,
+            **extra,
+        )
+
+    with torch.inference_mode():
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                call()
+            torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t:
+            rows.append((ev.key[:70], round(t / 10, 1), ev.count // 10))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--t", type=int, default=8192)
+    parser.add_argument("--fla", action="store_true", help="also list FLA's kernels")
+    args = parser.parse_args()
+    meta = common.meta()
+    records = common.Records(args.out)
+    b, t, h, kd = 1, args.t, 32, 128
+    inputs = core_inputs(b, t, h, kd, jax.random.key(7))
+    q, k, v, g, beta, a_log, dt_bias, h0 = inputs
+    g2 = g.reshape(b, t, h * kd)
+    for lb, gate in ((LB, "bounded"), (None, "unbounded")):
+        if args.fla:
+            try:
+                for row in fla_kernels(inputs, lb):
+                    print(f"FLA {gate}: {row}")
+            except Exception as e:  # noqa: BLE001
+                print(f"FLA unavailable: {type(e).__name__}: {e}")
+        kw = dict(scale=kd**-0.5, chunk=64, lower_bound=lb, mm_dtype=jnp.bfloat16, l2_eps=L2_EPS)
+        shape = f"B={b},T={t},H={h},gate={gate}"
+        for bk, warps in ((32, 4), (16, 4), (32, 8), (64, 4)):
+            blk = PrepareBlockSizes(sub=16, block_k=bk, num_warps=warps)
+
+            def prep_step(state, blk=blk, kw=kw):
+                inter = _chunk_prepare(
+                    q, k, v, g2, beta, _lengths_from(state, b, t), a_log, dt_bias, **kw, blk=blk
+                )
+                return state + inter.gl[:, :, :1, :1]
+
+            run = functools.partial(common.time_loop, prep_step, h0 + 0.0, 10, 3)
+            common.run_case(
+                records,
+                meta,
+                "chunk_prepare",
+                shape,
+                f"block_k={bk},warps={warps}",
+                run,
+                0.0,
+                None,
+                None,
+            )
+    inter = _chunk_prepare(
+        q,
+        k,
+        v,
+        g2,
+        beta,
+        jnp.full((b,), t, jnp.int32),
+        a_log,
+        dt_bias,
+        scale=kd**-0.5,
+        chunk=64,
+        lower_bound=LB,
+        mm_dtype=jnp.bfloat16,
+        l2_eps=L2_EPS,
+        blk=PrepareBlockSizes.default_for(kd, kd),
+    )
+    for bv, warps, stages in ((32, 4, 2), (32, 4, 3)):
+        blk = ScanBlockSizes(block_v=bv, num_warps=warps, num_stages=stages)
+        step = lambda s, blk=blk: _chunk_scan(inter, s, t=t, out_dtype=jnp.bfloat16, blk=blk)[1]  # noqa: E731
+        run = functools.partial(common.time_loop, step, h0 + 0.0, 10, 3)
+        common.run_case(
+            records,
+            meta,
+            "chunk_scan",
+            f"B={b},T={t},H={h}",
+            f"bv={bv},warps={warps},stages={stages}",
+            run,
+            0.0,
+            None,
+            None,
+        )
+
+
+if __name__ == "__main__":
+    main()
