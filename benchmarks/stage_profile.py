@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
-from bench_prefill import L2_EPS, LB, _lengths_from, core_inputs  # noqa: E402
+from bench_prefill import L2_EPS, LB, _core_step, _lengths_from, core_inputs, fla_us  # noqa: E402
 
 from pallas_kernels.chunk_prepare import PrepareBlockSizes, _chunk_prepare  # noqa: E402
 from pallas_kernels.chunk_scan import ScanBlockSizes, _chunk_scan  # noqa: E402
@@ -82,9 +82,28 @@ def main():
                     print(f"FLA {gate}: {row}")
             except Exception as e:  # noqa: BLE001
                 print(f"FLA unavailable: {type(e).__name__}: {e}")
+        try:
+            fla = fla_us(inputs, lb, 5)
+        except Exception as e:  # noqa: BLE001
+            fla = None
+            print(f"FLA unavailable: {type(e).__name__}: {e}")
+        run = functools.partial(
+            common.time_loop, functools.partial(_core_step, inputs, lb), h0 + 0.0, 10, 3
+        )
+        common.run_case(
+            records,
+            meta,
+            "chunk_kda",
+            f"B={b},T={t},H={h},gate={gate}",
+            "default",
+            run,
+            0.0,
+            fla,
+            "fla chunk_kda",
+        )
         kw = dict(scale=kd**-0.5, chunk=64, lower_bound=lb, mm_dtype=jnp.bfloat16, l2_eps=L2_EPS)
         shape = f"B={b},T={t},H={h},gate={gate}"
-        for bk, warps in ((32, 4), (16, 4), (32, 8), (64, 4)):
+        for bk, warps in ((32, 4), (16, 4), (16, 8)):
             blk = PrepareBlockSizes(sub=16, block_k=bk, num_warps=warps)
 
             def prep_step(state, blk=blk, kw=kw):
@@ -121,7 +140,7 @@ def main():
         l2_eps=L2_EPS,
         blk=PrepareBlockSizes.default_for(kd, kd),
     )
-    for bv, warps, stages in ((32, 4, 2), (32, 4, 3)):
+    for bv, warps, stages in ((32, 4, 2),):
         blk = ScanBlockSizes(block_v=bv, num_warps=warps, num_stages=stages)
         step = lambda s, blk=blk: _chunk_scan(inter, s, t=t, out_dtype=jnp.bfloat16, blk=blk)[1]  # noqa: E731
         run = functools.partial(common.time_loop, step, h0 + 0.0, 10, 3)

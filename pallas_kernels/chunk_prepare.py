@@ -173,6 +173,8 @@ def _chunk_prepare_kernel(
     u_ref,
     a_ref,
     gl_ref,
+    l_scr_ref,
+    g_scr_ref,
     *,
     scale: float,
     lower_bound: float | None,
@@ -184,141 +186,153 @@ def _chunk_prepare_kernel(
 
     len_ref: [Bp] int32; q_ref, k_ref, f_ref: [C, K]; v_ref: [C, V]; b_ref: [C]; ea_ref (exp A_log
     broadcast over K), dt_ref: [K]. Outputs: qg_ref, kg_ref, w_ref: [C, K]; u_ref: [C, V];
-    a_ref: [C, C]; gl_ref: [1, K].
-
-    Sub-block i holds rows i*sub..; per column slice, Gl_i is its block-local cumulative
-    log-decay and S_i = Gl_i's last row (the block's total), so G = (S_0 + .. + S_{i-1}) + Gl_i.
-    Every exponential below is of a sum of such terms that is <= 0.
+    a_ref: [C, C]; gl_ref: [1, K]. Scratch outputs, private to this program (fp32): l_scr_ref
+    [C, 2C] holds L then T, g_scr_ref [C, K] holds G.
     """
     c, kd = q_ref.shape
-    vd = v_ref.shape[1]
     nb, bk = c // sub, block_k
     seq, chunk_idx = pl.program_id(0), pl.program_id(1)
     length = len_ref[seq]
-    offs = lax.broadcasted_iota(jnp.int32, (sub,), 0)
-    valid = [chunk_idx * c + i * sub + offs < length for i in range(nb)]  # [sub] per block
-    last_row = lax.broadcasted_iota(jnp.int32, (sub, 1), 0) == sub - 1
+    row = lax.broadcasted_iota(jnp.int32, (c, 1), 0)
+    valid = chunk_idx * c + row < length  # [C, 1]
+    rows_cc, cols_cc = _rows_and_cols(c)
     pairwise = _needs_pairwise(lower_bound, sub)
-    k_slices = [pl.ds(s * bk, bk) for s in range(kd // bk)]
-    v_slices = [pl.ds(s * bk, bk) for s in range(vd // bk)]
 
-    def rows(i):
-        return pl.ds(i * sub, sub)
+    def over_slices(n_cols, body, carry):
+        """carry = body(cols, carry) for each column slice, as a loop (not unrolled: an unrolled
+        walk hoists every slice's loads and runs out of registers)."""
+        return lax.fori_loop(0, n_cols // bk, lambda s, x: body(pl.ds(s * bk, bk), x), carry)
 
-    def load(ref, i, cols):
-        """[sub, bk] fp32 of block i, 0 at pads and past T (whatever the pads hold)."""
-        x = plt.load(ref.at[rows(i), cols], mask=valid[i][:, None], other=0.0)
-        return x.astype(f32)
+    all_rows = pl.ds(0, c)
 
-    # L2 norms of q and k per row (FLA's use_qk_l2norm_in_kernel), applied to each slice.
-    if l2_eps is None:
-        rq = rk = [1.0] * nb
-    else:
-        rq, rk = [], []
-        for i in range(nb):
-            sq = sum(
-                jnp.sum(jnp.square(load(q_ref, i, s)), axis=1, keepdims=True) for s in k_slices
-            )
-            sk = sum(
-                jnp.sum(jnp.square(load(k_ref, i, s)), axis=1, keepdims=True) for s in k_slices
-            )
-            rq.append(lax.rsqrt(sq + l2_eps))
-            rk.append(lax.rsqrt(sk + l2_eps))
-    beta = []
-    for i in range(nb):
-        b_i = beta_math(plt.load(b_ref.at[rows(i)], mask=valid[i], other=0.0))
-        beta.append(jnp.where(valid[i], b_i, 0.0)[:, None])
+    def load(ref, cols, rows=all_rows, ok=valid):
+        """[rows, bk] fp32, 0 at pads and past T (whatever the pads hold)."""
+        return plt.load(ref.at[rows, cols], mask=ok, other=0.0).astype(f32)
 
-    def decay(i, cols):
-        """(Gl_i, S_i) over a column slice: gate of block i (0 at pads), local cumsum, total."""
+    def inv_norm(ref, rows=all_rows, ok=valid):
+        """1 / ||x|| per row (FLA's use_qk_l2norm_in_kernel), or 1 when q, k come normalised."""
+        if l2_eps is None:
+            return 1.0
+        sq = over_slices(
+            kd,
+            lambda cols, acc: (
+                acc + jnp.sum(jnp.square(load(ref, cols, rows, ok)), 1, keepdims=True)
+            ),
+            jnp.zeros((rows.size, 1), f32),
+        )
+        return lax.rsqrt(sq + l2_eps)
+
+    def decay(cols, rows=all_rows, ok=valid):
+        """Gate over a column slice (0 at pads) and its cumulative sum down the rows."""
         ea = ea_ref[cols].astype(f32)[None, :]
         dt = dt_ref[cols].astype(f32)[None, :]
-        g = jnp.where(valid[i][:, None], gate_math(load(f_ref, i, cols) + dt, ea, lower_bound), 0.0)
-        gl = jnp.cumsum(g, axis=0)
-        return gl, jnp.sum(jnp.where(last_row, gl, 0.0), axis=0, keepdims=True)
+        g = jnp.where(ok, gate_math(load(f_ref, cols, rows, ok) + dt, ea, lower_bound), 0.0)
+        return jnp.cumsum(g, axis=0)
 
-    # 1-2. Scores, accumulated over the column slices. A_ij (j <= i) and L_ij (j < i) per pair
-    # of sub-blocks; an off-diagonal pair (i > j) factorises as exp(G_i - G_j) =
-    # exp(Gl_i) exp(S_{j+1} + .. + S_{i-1}) exp(S_j - Gl_j). qg and kg are written on the way.
-    acc_a, acc_l = {}, {}
+    def barrier():
+        if not common.interpret():  # interpret mode runs a program's stores in order
+            plt.debug_barrier()
 
-    def add(acc, key, x):
-        acc[key] = x if key not in acc else acc[key] + x
+    rq, rk = inv_norm(q_ref), inv_norm(k_ref)
+    beta = jnp.where(valid[:, 0], beta_math(plt.load(b_ref, mask=valid[:, 0], other=0.0)), 0.0)
+    beta = beta[:, None]
 
-    for cols in k_slices:
-        tots, kts = [], []
-        cum = jnp.zeros((1, bk), f32)  # G at the end of the previous block
-        for i in range(nb):
-            gl, tot = decay(i, cols)
-            q = load(q_ref, i, cols) * rq[i]
-            k = load(k_ref, i, cols) * rk[i]
-            qg_ref[rows(i), cols] = (scale * q * jnp.exp(cum + gl)).astype(qg_ref.dtype)
-            eg = jnp.exp(gl)
-            qd, kd_ = q * eg, k * eg
-            between = None  # S_{j+1} + .. + S_{i-1}
-            for j in range(i - 1, -1, -1):
-                if j < i - 1:
-                    between = tots[j + 1] if between is None else between + tots[j + 1]
-                scaled = (
-                    (qd, kd_)
-                    if between is None
-                    else (qd * jnp.exp(between), kd_ * jnp.exp(between))
-                )
-                add(acc_a, (i, j), _dot_nt(scaled[0], kts[j]))
-                add(acc_l, (i, j), _dot_nt(scaled[1], kts[j]))
-            diag = _diag_pairwise if pairwise else _diag_factorised
-            qk, kk = diag(q, k, gl)
-            add(acc_a, (i, i), qk)
-            add(acc_l, (i, i), kk)
-            tots.append(tot)
-            kts.append(k * jnp.exp(tot - gl))
-            cum = cum + tot
-        gl_ref[:, cols] = jnp.exp(cum)
-        after = jnp.zeros((1, bk), f32)  # S_{i+1} + .. + S_{nb-1}
-        for i in range(nb - 1, -1, -1):
-            kg_ref[rows(i), cols] = (kts[i] * jnp.exp(after)).astype(kg_ref.dtype)
-            after = after + tots[i]
+    # 1. G = chunk-local cumulative log-decay into the scratch, qg, kg and exp(G_last) out.
+    def cumulative(cols, carry):
+        big_g = decay(cols)
+        g_scr_ref[:, cols] = big_g
+        q, k = load(q_ref, cols) * rq, load(k_ref, cols) * rk
+        g_last = jnp.sum(jnp.where(row == c - 1, big_g, 0.0), axis=0, keepdims=True)
+        qg_ref[:, cols] = (scale * q * jnp.exp(big_g)).astype(qg_ref.dtype)
+        kg_ref[:, cols] = (k * jnp.exp(g_last - big_g)).astype(kg_ref.dtype)
+        gl_ref[:, cols] = jnp.exp(g_last)
+        return carry
 
-    rws, cls = _rows_and_cols(sub)
-    l_t = {}
-    for i in range(nb):
-        for j in range(nb):
-            a_ij = jnp.zeros((sub, sub), f32)
-            if j < i:
-                a_ij = scale * acc_a[i, j]
-                l_t[i, j] = beta[i] * acc_l[i, j]
-            elif j == i:
-                a_ij = jnp.where(rws >= cls, scale * acc_a[i, i], 0.0)
-                l_t[i, i] = beta[i] * jnp.where(rws > cls, acc_l[i, i], 0.0)
-            a_ref[rows(i), pl.ds(j * sub, sub)] = a_ij.astype(a_ref.dtype)
+    over_slices(kd, cumulative, 0)
+    barrier()
 
-    # 3. T = (I + L)^-1 by sub-blocks: T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ.
-    t_t = {(i, i): _unit_lower_inverse(l_t[i, i], sub=sub) for i in range(nb)}
-    for i in range(1, nb):
+    # 2. Scores, one sub-block of rows at a time ([sub, C] accumulators), summed over the column
+    # slices. Rows of block `blk` use the reference r = blk*sub (its first row):
+    # exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), the mask applied before `exp`, both factors
+    # <= 1 for j < r. A bounded gate far from overflow ((sub - 1) |lb| <= 80 nats) also takes its
+    # own block's columns this way (the second factor then stays below e^80); otherwise the
+    # diagonal block is computed pairwise from block-local decay sums (exact at any strength).
+    cols_c = lax.broadcasted_iota(jnp.int32, (1, c), 1)
+    rs, cs = _rows_and_cols(sub)
+    for blk in range(nb):
+        rows = pl.ds(blk * sub, sub)
+        row_ids = blk * sub + lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
+        ok = chunk_idx * c + row_ids < length
+        bq, bkn = inv_norm(q_ref, rows, ok), inv_norm(k_ref, rows, ok)
+        last_col = blk * sub if pairwise else (blk + 1) * sub
+
+        def scores(cols, accs, rows=rows, ok=ok, bq=bq, bkn=bkn, blk=blk, last_col=last_col):
+            q_b, k_b = load(q_ref, cols, rows, ok) * bq, load(k_ref, cols, rows, ok) * bkn
+            acc_a, acc_l, diag_a, diag_l = accs
+            if last_col:
+                g_r = g_scr_ref[pl.ds(blk * sub, 1), cols]
+                to_r = jnp.exp(g_scr_ref[rows, cols] - g_r)
+                from_r = jnp.where(row < last_col, g_r - g_scr_ref[:, cols], -jnp.inf)
+                k_col = load(k_ref, cols) * rk * jnp.exp(from_r)
+                acc_a += _dot_nt(q_b * to_r, k_col)
+                acc_l += _dot_nt(k_b * to_r, k_col)
+            if pairwise:
+                qk, kk = _diag_pairwise(q_b, k_b, decay(cols, rows, ok))
+                diag_a, diag_l = diag_a + qk, diag_l + kk
+            return acc_a, acc_l, diag_a, diag_l
+
+        zero_r, zero_d = jnp.zeros((sub, c), f32), jnp.zeros((sub, sub), f32)
+        acc_a, acc_l, diag_a, diag_l = over_slices(kd, scores, (zero_r, zero_r, zero_d, zero_d))
+        beta_b = jnp.where(
+            ok, beta_math(plt.load(b_ref.at[rows], mask=ok[:, 0], other=0.0))[:, None], 0.0
+        )
+        a_rows = jnp.where(cols_c <= row_ids, scale * acc_a, 0.0).astype(a_ref.dtype)
+        l_rows = jnp.where(cols_c < row_ids, beta_b * acc_l, 0.0)
+        if pairwise:  # the diagonal block beside the rest of the rows (disjoint addresses)
+            off = cols_c // sub != blk
+            plt.store(a_ref.at[rows, :], a_rows, mask=off)
+            plt.store(l_scr_ref.at[rows, pl.ds(0, c)], l_rows, mask=off)
+            a_ref[rows, pl.ds(blk * sub, sub)] = (scale * diag_a).astype(a_ref.dtype)
+            l_scr_ref[rows, pl.ds(blk * sub, sub)] = jnp.where(rs > cs, beta_b * diag_l, 0.0)
+        else:
+            a_ref[rows, :] = a_rows
+            l_scr_ref[rows, pl.ds(0, c)] = l_rows
+    barrier()
+
+    # 3. T = (I + L)^-1 by sub-blocks (T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ), into the scratch.
+    def l_blk(i, j):
+        return l_scr_ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)]
+
+    def t_blk(i, j):
+        return l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + j * sub, sub)]
+
+    for i in range(nb):  # row i needs T of rows < i only: stored and fenced by then
+        t_ii = _unit_lower_inverse(l_blk(i, i), sub=sub)
+        l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + i * sub, sub)] = t_ii
         for j in range(i - 1, -1, -1):
             acc = sum(
-                jnp.dot(l_t[i, m], t_t[m, j], precision=HI, preferred_element_type=f32)
+                jnp.dot(l_blk(i, m), t_blk(m, j), precision=HI, preferred_element_type=f32)
                 for m in range(j, i)
             )
-            t_t[i, j] = -jnp.dot(t_t[i, i], acc, precision=HI, preferred_element_type=f32)
+            t_ij = -jnp.dot(t_ii, acc, precision=HI, preferred_element_type=f32)
+            l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + j * sub, sub)] = t_ij
+        barrier()
 
-    # 4. w = T (beta k exp(G)) and u = T (beta v), slice by slice.
-    def apply_t(out_ref, cols, parts):
-        for i in range(nb):
-            acc = sum(
-                jnp.dot(t_t[i, j], parts[j], preferred_element_type=f32) for j in range(i + 1)
-            )
-            out_ref[rows(i), cols] = acc.astype(out_ref.dtype)
+    # 4. w = T (beta k exp(G)) and u = T (beta v), whole-chunk products slice by slice.
+    t_full = plt.load(
+        l_scr_ref.at[:, pl.ds(c, c)], mask=rows_cc // sub >= cols_cc // sub, other=0.0
+    )
 
-    for cols in k_slices:
-        parts, cum = [], jnp.zeros((1, bk), f32)
-        for j in range(nb):
-            gl, tot = decay(j, cols)
-            parts.append(beta[j] * load(k_ref, j, cols) * rk[j] * jnp.exp(cum + gl))
-            cum = cum + tot
-        apply_t(w_ref, cols, parts)
-    for cols in v_slices:
-        apply_t(u_ref, cols, [beta[j] * load(v_ref, j, cols) for j in range(nb)])
+    def apply_t(out_ref, part):
+        def body(cols, carry):
+            prod = jnp.dot(t_full, part(cols), preferred_element_type=f32)
+            out_ref[:, cols] = prod.astype(out_ref.dtype)
+            return carry
+
+        over_slices(out_ref.shape[1], body, 0)
+
+    apply_t(w_ref, lambda cols: beta * load(k_ref, cols) * rk * jnp.exp(decay(cols)))
+    apply_t(u_ref, lambda cols: beta * load(v_ref, cols))
 
 
 def _check_shapes(q, k, v, f, b, lengths, a_log, dt_bias, chunk, blk):
@@ -444,7 +458,11 @@ def _chunk_prepare(
     )
     res = pl.pallas_call(
         kernel,
-        out_shape=tuple(out_shape),
+        out_shape=(
+            *out_shape,
+            jax.ShapeDtypeStruct((bsz, h, tp, 2 * chunk), f32),
+            jax.ShapeDtypeStruct((bsz, h, tp, kd), f32),
+        ),
         grid=(bsz, n, h),
         in_specs=[
             pl.BlockSpec((lens.shape[0],), lambda s, c, hh: (0,)),
@@ -456,9 +474,9 @@ def _chunk_prepare(
             head,
             head,
         ],
-        out_specs=tuple(out_specs),
+        out_specs=(*out_specs, inter(2 * chunk), inter(kd)),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),
         name="kda_chunk_prepare",
         interpret=common.interpret(),
     )(lens, q, k, v, f.reshape(bsz, t, h, kd), b, ea, dt)
-    return ChunkIntermediates(*res)
+    return ChunkIntermediates(*res[:-2])  # the last two outputs are the kernel's scratch
