@@ -191,7 +191,7 @@ def bench_sweep(n, reps, records, meta, b=1, t=8192, h=32, kd=128):
     shape = f"B={b},T={t},H={h},K={kd},gate=unbounded"
     inter = None
     for warps in (4, 8):
-        blk = PrepareBlockSizes(sub=16, block_k=min(32, kd), num_warps=warps)
+        blk = PrepareBlockSizes(sub=16, block_k=16, num_warps=warps)
 
         def prep_step(state, blk=blk):
             inter = _chunk_prepare(

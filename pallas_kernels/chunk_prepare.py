@@ -12,20 +12,25 @@ products per chunk and nothing else:
     w       = T (beta * k * exp(G)),  u = T (beta * v)
     qg      = s q exp(G),  kg = k exp(G_last - G),  gl = exp(G_last)
 
-Streaming: the kernel walks the K (and V) columns in slices of `block_k` and keeps only the
-[sub, sub] score and inverse tiles across slices, so registers never hold the [C, K] chunk
-(holding it spilled to local memory and cost 5x in the first version). The sums over K of the
-scores accumulate slice by slice; the gate and its cumulative sum are recomputed per slice from
-f when w needs them again.
+Structure (registers decide the speed here: the first version held the [C, K] chunk and whole
+[sub, sub] tile sets in registers, spilled, and ran 2-3x slower):
+  1. G = chunk cumsum of the gate, per column slice of `block_k`, into a private fp32 scratch
+     (an extra output the wrapper drops), with qg, kg and exp(G_last) written on the way.
+  2. Scores one sub-block of rows at a time: [sub, C] accumulators summed over the column
+     slices (loops, not unrolled), stored as rows of A and, for L, into the scratch.
+  3. T = (I + L)^-1 from the scratch's [sub, sub] blocks, stored back into the scratch.
+  4. w and u as whole-chunk products T @ (beta k exp(G)) and T @ (beta v), slice by slice.
+Between the phases a barrier (`plt.debug_barrier`, __syncthreads) orders the scratch's stores
+before other threads of the same program load them; interpret mode runs in order without one.
 
-Decay safety (SPEC §5, overflow hazard): every exponent evaluated is <= 0. The chunk is cut into
-sub-blocks of `sub` rows, with block-local cumulative sums Gl_i and block totals S_i
-(G = S_0 + .. + S_{i-1} + Gl_i). With the unbounded gate a diagonal sub-block is computed
-pairwise as a [sub, sub, block_k] tile, the mask applied before `exp`. With a bounded gate whose
-sub-block span stays far from overflow ((sub - 1) |lb| <= 80 nats, e.g. lb = -5) the diagonal
-factorises around its middle row instead (one product). An off-diagonal tile (row block i >
-column block j) factorises as exp(G_a - G_b) = exp(Gl_a) exp(S_{j+1} + .. + S_{i-1})
-exp(S_j - Gl_b): three exponents <= 0, no differences of large cumulative sums.
+Decay safety (SPEC §5, overflow hazard): every exponent evaluated is <= 0 or bounded far below
+fp32 overflow. Rows of sub-block b use the reference r = b*sub (the block's first row):
+exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), the mask applied before `exp`, both factors
+<= 1 for columns j < r. With a bounded gate far from overflow ((sub - 1) |lb| <= 80 nats, e.g.
+lb = -5) the block's own columns are taken the same way (the second factor stays below e^80).
+Otherwise (unbounded gate) the diagonal block is computed pairwise, one key column at a time,
+from block-local cumulative sums Gl kept in a second scratch: exp(Gl_i - Gl_j) with the mask
+before `exp`, exact at any decay strength.
 T is built block by block: the diagonal [sub, sub] inverses as (I - L)(I + L^2)(I + L^4)(I + L^8)
 plus one Newton step (as accurate as an fp32 triangular solve, measured against float64), the
 off-diagonal blocks by T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ (full fp32 dots, no TF32).
@@ -76,19 +81,21 @@ class PrepareBlockSizes:
 
     Attributes:
       sub: rows of a sub-block (16: the smallest Triton dot side); divides the chunk.
-      block_k: width of the K (and V) column slices the kernel streams through; a power of two
-        >= 16 dividing K and V. Every per-slice temporary is [sub, block_k] (the unbounded
-        diagonal's [sub, sub, block_k]), so registers hold the score accumulators, not the chunk.
-      num_warps: Triton warps per program.
+      block_k: width of the K (and V) column slices the kernel loops over; a power of two >= 16
+        dividing K and V. Per-slice temporaries are [C, block_k] or [sub, block_k], so registers
+        hold little besides the [sub, C] score rows (H200, 2026-12-01: 16 measured 7% faster
+        than 32 on the bounded gate; ptxas: 144 against 186 registers).
+      num_warps: Triton warps per program (8 measured slower than 4).
     """
 
     sub: int = 16
-    block_k: int = 32
+    block_k: int = 16
     num_warps: int = 4
 
     @staticmethod
     def default_for(head_dim: int, v_dim: int) -> PrepareBlockSizes:
-        return PrepareBlockSizes(sub=16, block_k=min(32, head_dim, v_dim), num_warps=4)
+        del head_dim, v_dim  # K and V are powers of two >= 16: block_k = 16 always divides them
+        return PrepareBlockSizes()
 
 
 def _rows_and_cols(n: int):
@@ -100,37 +107,6 @@ def _rows_and_cols(n: int):
 def _needs_pairwise(lower_bound: float | None, sub: int) -> bool:
     """Whether diagonal sub-blocks must be computed pairwise (unbounded or strong bounded gate)."""
     return lower_bound is None or (sub - 1) * abs(lower_bound) > _FACTORISED_MAX_NATS
-
-
-def _diag_pairwise(q, k, gl):
-    """Scores of one diagonal sub-block over one column slice, every pair on its own.
-
-    q, k, gl: [sub, bk] (gl = block-local cumulative log-decay). Returns (sum_d q_i k_j e_ijd,
-    sum_d k_i k_j e_ijd) [sub, sub] with e_ijd = exp(gl_id - gl_jd) for j <= i and 0 above: the
-    mask is applied before `exp`, so no exponent is positive at any decay strength.
-    """
-    sub = q.shape[0]
-    rows = lax.broadcasted_iota(jnp.int32, (sub, sub, 1), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (sub, sub, 1), 1)
-    e = jnp.exp(jnp.where(rows >= cols, gl[:, None, :] - gl[None, :, :], -jnp.inf))
-    ke = k[None, :, :] * e
-    return jnp.sum(q[:, None, :] * ke, axis=2), jnp.sum(k[:, None, :] * ke, axis=2)
-
-
-def _diag_factorised(q, k, gl):
-    """The same scores by one product each, factorised around the middle row m of the block.
-
-    Only for a bounded gate with (sub - 1) * |lb| <= _FACTORISED_MAX_NATS: a factor's exponent is
-    then at most sub/2 * |lb| and a masked-out product at most (sub - 1) * |lb|, far from fp32
-    overflow (88 nats); the kept entries are exactly exp(G_i - G_j) <= 1. Entries above the
-    diagonal are garbage (finite) and masked by the caller.
-    """
-    sub = q.shape[0]
-    row_ids = lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
-    g_m = jnp.sum(jnp.where(row_ids == sub // 2, gl, 0.0), axis=0, keepdims=True)  # [1, bk]
-    to_m, from_m = jnp.exp(gl - g_m), jnp.exp(g_m - gl)
-    kd = k * from_m
-    return _dot_nt(q * to_m, kd), _dot_nt(k * to_m, kd)
 
 
 def _dot_nt(x, y, precision=None):
@@ -175,6 +151,7 @@ def _chunk_prepare_kernel(
     gl_ref,
     l_scr_ref,
     g_scr_ref,
+    gloc_scr_ref,
     *,
     scale: float,
     lower_bound: float | None,
@@ -187,7 +164,7 @@ def _chunk_prepare_kernel(
     len_ref: [Bp] int32; q_ref, k_ref, f_ref: [C, K]; v_ref: [C, V]; b_ref: [C]; ea_ref (exp A_log
     broadcast over K), dt_ref: [K]. Outputs: qg_ref, kg_ref, w_ref: [C, K]; u_ref: [C, V];
     a_ref: [C, C]; gl_ref: [1, K]. Scratch outputs, private to this program (fp32): l_scr_ref
-    [C, 2C] holds L then T, g_scr_ref [C, K] holds G.
+    [C, 2C] holds L then T, g_scr_ref [C, K] holds G, gloc_scr_ref [C, K] the block-local sums.
     """
     c, kd = q_ref.shape
     nb, bk = c // sub, block_k
@@ -259,6 +236,36 @@ def _chunk_prepare_kernel(
     # diagonal block is computed pairwise from block-local decay sums (exact at any strength).
     cols_c = lax.broadcasted_iota(jnp.int32, (1, c), 1)
     rs, cs = _rows_and_cols(sub)
+    col_ids = lax.broadcasted_iota(jnp.int32, (1, sub), 1)
+    row_loc = lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
+
+    def diag_pairwise(blk, rows, ok, bq, bkn):
+        """Scores of diagonal block `blk`, one key column j at a time, slice by slice:
+        exp(Gl_i - Gl_j) from the block-local sums Gl, masked to j <= i before `exp` (exact at
+        any decay strength)."""
+
+        def over_cols(cols, accs):
+            q_b = load(q_ref, cols, rows, ok) * bq
+            k_b = load(k_ref, cols, rows, ok) * bkn
+            gl_b = gloc_scr_ref[rows, cols]
+
+            def column(j, accs):
+                at = pl.ds(blk * sub + j, 1)
+                k_j = jnp.sum(jnp.where(row_loc == j, k_b, 0.0), axis=0, keepdims=True)
+                gl_j = gloc_scr_ref[at, cols]
+                ke = k_j * jnp.exp(jnp.where(row_loc >= j, gl_b - gl_j, -jnp.inf))
+                a_col = jnp.sum(q_b * ke, axis=1, keepdims=True)
+                l_col = jnp.sum(k_b * ke, axis=1, keepdims=True)
+                return (
+                    jnp.where(col_ids == j, a_col, 0.0) + accs[0],
+                    jnp.where(col_ids == j, l_col, 0.0) + accs[1],
+                )
+
+            return lax.fori_loop(0, sub, column, accs)
+
+        zero = jnp.zeros((sub, sub), f32)
+        return over_slices(kd, over_cols, (zero, zero))
+
     for blk in range(nb):
         rows = pl.ds(blk * sub, sub)
         row_ids = blk * sub + lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
@@ -268,7 +275,7 @@ def _chunk_prepare_kernel(
 
         def scores(cols, accs, rows=rows, ok=ok, bq=bq, bkn=bkn, blk=blk, last_col=last_col):
             q_b, k_b = load(q_ref, cols, rows, ok) * bq, load(k_ref, cols, rows, ok) * bkn
-            acc_a, acc_l, diag_a, diag_l = accs
+            acc_a, acc_l = accs
             if last_col:
                 g_r = g_scr_ref[pl.ds(blk * sub, 1), cols]
                 to_r = jnp.exp(g_scr_ref[rows, cols] - g_r)
@@ -276,19 +283,20 @@ def _chunk_prepare_kernel(
                 k_col = load(k_ref, cols) * rk * jnp.exp(from_r)
                 acc_a += _dot_nt(q_b * to_r, k_col)
                 acc_l += _dot_nt(k_b * to_r, k_col)
-            if pairwise:
-                qk, kk = _diag_pairwise(q_b, k_b, decay(cols, rows, ok))
-                diag_a, diag_l = diag_a + qk, diag_l + kk
-            return acc_a, acc_l, diag_a, diag_l
+            if pairwise:  # block-local decay sums for the diagonal block
+                gloc_scr_ref[rows, cols] = decay(cols, rows, ok)
+            return acc_a, acc_l
 
-        zero_r, zero_d = jnp.zeros((sub, c), f32), jnp.zeros((sub, sub), f32)
-        acc_a, acc_l, diag_a, diag_l = over_slices(kd, scores, (zero_r, zero_r, zero_d, zero_d))
+        zero_r = jnp.zeros((sub, c), f32)
+        acc_a, acc_l = over_slices(kd, scores, (zero_r, zero_r))
         beta_b = jnp.where(
             ok, beta_math(plt.load(b_ref.at[rows], mask=ok[:, 0], other=0.0))[:, None], 0.0
         )
         a_rows = jnp.where(cols_c <= row_ids, scale * acc_a, 0.0).astype(a_ref.dtype)
         l_rows = jnp.where(cols_c < row_ids, beta_b * acc_l, 0.0)
         if pairwise:  # the diagonal block beside the rest of the rows (disjoint addresses)
+            barrier()
+            diag_a, diag_l = diag_pairwise(blk, rows, ok, bq, bkn)
             off = cols_c // sub != blk
             plt.store(a_ref.at[rows, :], a_rows, mask=off)
             plt.store(l_scr_ref.at[rows, pl.ds(0, c)], l_rows, mask=off)
@@ -448,6 +456,9 @@ def _chunk_prepare(
         a=inter(chunk),
         gl=pl.BlockSpec((None, None, 1, kd), lambda s, c, hh: (s, hh, c, 0)),
     )
+    gloc_spec = inter(kd)  # block-local decay sums, only written for the pairwise diagonal
+    if not _needs_pairwise(lower_bound, blk.sub):
+        gloc_spec = pl.BlockSpec((None, None, chunk, kd), lambda s, c, hh: (0, 0, 0, 0))
     kernel = functools.partial(
         _chunk_prepare_kernel,
         scale=scale,
@@ -462,6 +473,10 @@ def _chunk_prepare(
             *out_shape,
             jax.ShapeDtypeStruct((bsz, h, tp, 2 * chunk), f32),
             jax.ShapeDtypeStruct((bsz, h, tp, kd), f32),
+            jax.ShapeDtypeStruct(
+                (bsz, h, tp, kd) if _needs_pairwise(lower_bound, blk.sub) else (1, 1, chunk, kd),
+                f32,
+            ),
         ),
         grid=(bsz, n, h),
         in_specs=[
@@ -474,9 +489,9 @@ def _chunk_prepare(
             head,
             head,
         ],
-        out_specs=(*out_specs, inter(2 * chunk), inter(kd)),
+        out_specs=(*out_specs, inter(2 * chunk), inter(kd), gloc_spec),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),
         name="kda_chunk_prepare",
         interpret=common.interpret(),
     )(lens, q, k, v, f.reshape(bsz, t, h, kd), b, ea, dt)
-    return ChunkIntermediates(*res[:-2])  # the last two outputs are the kernel's scratch
+    return ChunkIntermediates(*res[:-3])  # the last three outputs are the kernel's scratch
