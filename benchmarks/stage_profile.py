@@ -68,6 +68,12 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--t", type=int, default=8192)
     parser.add_argument("--fla", action="store_true", help="also list FLA's kernels")
+    parser.add_argument(
+        "--configs",
+        type=lambda x: [tuple(int(v) for v in c.split("x")) for c in x.split(",")],
+        default=[(16, 4)],
+        help="chunk_prepare block_k x num_warps list, e.g. 16x4,32x4",
+    )
     args = parser.parse_args()
     meta = common.meta()
     records = common.Records(args.out)
@@ -103,7 +109,7 @@ def main():
         )
         kw = dict(scale=kd**-0.5, chunk=64, lower_bound=lb, mm_dtype=jnp.bfloat16, l2_eps=L2_EPS)
         shape = f"B={b},T={t},H={h},gate={gate}"
-        for bk, warps in ((32, 4), (16, 4), (16, 8)):
+        for bk, warps in args.configs:
             blk = PrepareBlockSizes(sub=16, block_k=bk, num_warps=warps)
 
             def prep_step(state, blk=blk, kw=kw):
