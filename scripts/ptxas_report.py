@@ -1,0 +1,171 @@
+"""Registers, spills and shared memory of the Triton kernels as ptxas builds them for an H200,
+on any machine (no GPU): the number that decided chunk_prepare's speed (benchmarks/NOTES.md).
+
+    make setup EXTRAS=test,notebooks,ptxas
+    .venv/bin/python scripts/ptxas_report.py [prepare-bounded prepare-unbounded scan ...]
+
+How: each case is cross-lowered for the H200 (as tests/conftest.lower_for_h200 does) with
+`pallas_call(debug=True)`, which prints every kernel's Triton module; the printed module is
+stripped of its source locations, compiled by the triton package (3.6, the H200 image's) for
+sm_90a with the kernel's num_warps / num_stages, and the PTX is handed to that package's ptxas
+with -v. Numbers are per kernel; 65536 / (registers x 32 x num_warps) programs fit on an SM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from conftest import lower_for_h200  # noqa: E402
+
+from pallas_kernels.chunk_prepare import ChunkIntermediates, chunk_prepare  # noqa: E402
+from pallas_kernels.chunk_scan import chunk_scan  # noqa: E402
+
+BF16 = jnp.bfloat16
+# Kimi-Linear head geometry; one chunk is enough for the code ptxas sees.
+B, T, H, K, C = 1, 128, 32, 128, 64
+
+
+def _prepare(lower_bound):
+    zeros = jnp.zeros((B, T, H, K), BF16)
+
+    def fn(q, f, beta):
+        return chunk_prepare(
+            q, q, q, f, beta, jnp.full((B,), T, jnp.int32), jnp.zeros((H,)),
+            jnp.zeros((H * K,)), scale=K**-0.5, chunk=C, lower_bound=lower_bound,
+            mm_dtype=BF16, l2_eps=1e-6,
+        )  # fmt: skip
+
+    return fn, (zeros, jnp.zeros((B, T, H * K), BF16), jnp.zeros((B, T, H), BF16))
+
+
+def _scan():
+    n = T // C
+    inter = ChunkIntermediates(
+        qg=jnp.zeros((B, H, T, K), BF16),
+        kg=jnp.zeros((B, H, T, K), BF16),
+        w=jnp.zeros((B, H, T, K), BF16),
+        u=jnp.zeros((B, H, T, K), jnp.float32),
+        a=jnp.zeros((B, H, T, C), BF16),
+        gl=jnp.zeros((B, H, n, K), jnp.float32),
+    )
+    return lambda i, s: chunk_scan(i, s, t=T, out_dtype=BF16), (inter, jnp.zeros((B, H, K, K)))
+
+
+CASES = {
+    "prepare-bounded": lambda: _prepare(-5.0),
+    "prepare-unbounded": lambda: _prepare(None),
+    "scan": _scan,
+}
+
+
+def triton_modules(fn, args) -> dict[str, tuple[str, int, int]]:
+    """{kernel name: (Triton module text, num_warps, num_stages)} of every pallas_call in fn."""
+    original = pl.pallas_call
+
+    def debug_call(*a, **kw):
+        return original(*a, **{**kw, "debug": True})
+
+    out = io.StringIO()
+    pl.pallas_call = debug_call
+    try:
+        with contextlib.redirect_stdout(out):
+            hlo = lower_for_h200(fn, *args)
+    finally:
+        pl.pallas_call = original
+    params = {
+        m.group(1): (int(m.group(3)), int(m.group(2)))
+        for m in re.finditer(r'name = "([\w]+)", num_stages = (\d+) : i32, num_warps = (\d+)', hlo)
+    }
+    modules = {}
+    for part in out.getvalue().split("module for pallas_call ")[1:]:
+        name = part.split()[0]
+        modules[name] = (_clean(part), *params.get(name, (4, 1)))
+    return modules
+
+
+def _clean(printed: str) -> str:
+    """The printed module without its pretty source locations (which MLIR cannot parse back)."""
+    text = printed[printed.index("\n") + 1 :]
+    lines = [ln for ln in text.split("\n") if not re.match(r"^(#loc|\s*at #loc\d+\s*$)", ln)]
+    text = "\n".join(lines)
+    for pattern in (
+        r" \[unknown\]",
+        r" at #loc\d+",
+        r" #loc\d+",
+        r" /\S+\.py(:\d+:\d+)?( to (\d+)?:\d+(:\d+)?)?",
+        r' "[^"\n]*"\(#loc\d+\)',
+        r' "[^"\n]*"\((?:[^()\n]|\([^()\n]*\))*\)(?=[,)])',
+    ):
+        text = re.sub(pattern, "", text)
+    text = re.sub(r' "[^"\n]*"\((?:[^()\n]|\([^()\n]*\))*\)\s*$', "", text, flags=re.M)
+    text = re.sub(r' "[^"\n]*"\s*$', "", text, flags=re.M)
+    return text[: text.rindex("\n}") + 2]
+
+
+def ptxas_stats(module: str, num_warps: int, num_stages: int) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ttir")
+        with open(src, "w") as fh:
+            fh.write(module)
+        kernel = triton.compile(
+            src,
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=num_warps, num_stages=num_stages),
+        )
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as fh:
+            fh.write(kernel.asm["ptx"])
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+        res = subprocess.run(
+            [ptxas, "-v", "-arch=sm_90a", ptx, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    regs = re.search(r"Used (\d+) registers", res.stderr)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
+    fit = 65536 // (int(regs.group(1)) * 32 * num_warps) if regs else "?"
+    return (
+        f"{regs.group(1) if regs else '?'} registers, spills {spill.group(1)}/{spill.group(2)} "
+        f"bytes (store/load), shared {kernel.metadata.shared} B, warps {num_warps}, "
+        f"{fit} programs/SM by registers"
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cases", nargs="*", help=f"any of {list(CASES)} (default: all)")
+    args = parser.parse_args()
+    unknown = set(args.cases) - set(CASES)
+    if unknown:
+        sys.exit(f"ptxas_report: unknown case(s) {sorted(unknown)}; expected some of {list(CASES)}")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        sys.exit("ptxas_report: needs the triton package (make setup EXTRAS=test,notebooks,ptxas)")
+    jax.config.update("jax_platforms", "cpu")
+    for case in args.cases or list(CASES):
+        fn, fargs = CASES[case]()
+        for name, (module, warps, stages) in triton_modules(fn, fargs).items():
+            print(f"{case:<18} {name:<22} {ptxas_stats(module, warps, stages)}")
+
+
+if __name__ == "__main__":
+    main()
