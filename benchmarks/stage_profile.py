@@ -18,7 +18,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
-from bench_prefill import L2_EPS, LB, _core_step, _lengths_from, core_inputs, fla_us  # noqa: E402
+from bench_prefill import (  # noqa: E402
+    BANDWIDTH,
+    L2_EPS,
+    LB,
+    PEAK,
+    _core_step,
+    _lengths_from,
+    chunk_flops,
+    core_bytes,
+    core_inputs,
+    fla_us,
+)
 
 from pallas_kernels.chunk_prepare import PrepareBlockSizes, _chunk_prepare  # noqa: E402
 from pallas_kernels.chunk_scan import ScanBlockSizes, _chunk_scan  # noqa: E402
@@ -103,7 +114,7 @@ def main():
             f"B={b},T={t},H={h},gate={gate}",
             "default",
             run,
-            0.0,
+            1e6 * max(chunk_flops(b, t, h, kd, kd) / PEAK, core_bytes(b, t, h, kd, kd) / BANDWIDTH),
             fla,
             "fla chunk_kda",
         )
