@@ -31,6 +31,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from conftest import lower_for_h200  # noqa: E402
 
+from kda_jax import forward  # noqa: E402
+from kda_jax.config import preset  # noqa: E402
+from kda_jax.params import init_params  # noqa: E402
+from kda_jax.state import KdaState  # noqa: E402
 from pallas_kernels.chunk_prepare import ChunkIntermediates, chunk_prepare  # noqa: E402
 from pallas_kernels.chunk_scan import chunk_scan  # noqa: E402
 
@@ -65,15 +69,29 @@ def _scan():
     return lambda i, s: chunk_scan(i, s, t=T, out_dtype=BF16), (inter, jnp.zeros((B, H, K, K)))
 
 
+def _decode(batch):
+    """The whole block's decode step (every decode kernel), Kimi-Linear preset, bf16 weights."""
+    cfg = preset("kimi-linear-48b")
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), BF16))
+    state = KdaState(
+        recurrent=jax.ShapeDtypeStruct(cfg.recurrent_state_shape(batch), jnp.float32),
+        conv=jax.ShapeDtypeStruct(cfg.conv_state_shape(batch), jnp.float32),
+    )
+    x = jax.ShapeDtypeStruct((batch, cfg.hidden), BF16)
+    return lambda p, x, s: forward.decode(p, cfg, x, s, backend="pallas"), (params, x, state)
+
+
 CASES = {
     "prepare-bounded": lambda: _prepare(-5.0),
     "prepare-unbounded": lambda: _prepare(None),
     "scan": _scan,
+    "decode-b1": lambda: _decode(1),
+    "decode-b64": lambda: _decode(64),
 }
 
 
-def triton_modules(fn, args) -> dict[str, tuple[str, int, int]]:
-    """{kernel name: (Triton module text, num_warps, num_stages)} of every pallas_call in fn."""
+def triton_modules(fn, args) -> list[tuple[str, str, int, int]]:
+    """(kernel name, Triton module text, num_warps, num_stages) of every pallas_call in fn."""
     original = pl.pallas_call
 
     def debug_call(*a, **kw):
@@ -86,15 +104,16 @@ def triton_modules(fn, args) -> dict[str, tuple[str, int, int]]:
             hlo = lower_for_h200(fn, *args)
     finally:
         pl.pallas_call = original
-    params = {
-        m.group(1): (int(m.group(3)), int(m.group(2)))
-        for m in re.finditer(r'name = "([\w]+)", num_stages = (\d+) : i32, num_warps = (\d+)', hlo)
-    }
-    modules = {}
-    for part in out.getvalue().split("module for pallas_call ")[1:]:
-        name = part.split()[0]
-        modules[name] = (_clean(part), *params.get(name, (4, 1)))
-    return modules
+    # Launch parameters in call order (the printed modules come in the same order).
+    params = [
+        (m.group(1), int(m.group(3)), int(m.group(2)))
+        for m in re.finditer(r'name = "(\w+)", num_stages = (\d+) : i32, num_warps = (\d+)', hlo)
+    ]
+    parts = out.getvalue().split("module for pallas_call ")[1:]
+    names = [part.split()[0] for part in parts]
+    if [p[0] for p in params] != names:
+        raise RuntimeError(f"ptxas_report: kernels {names} do not match launches {params}")
+    return [(n, _clean(part), w, st) for part, (n, w, st) in zip(parts, params, strict=True)]
 
 
 def _clean(printed: str) -> str:
@@ -163,7 +182,7 @@ def main():
     jax.config.update("jax_platforms", "cpu")
     for case in args.cases or list(CASES):
         fn, fargs = CASES[case]()
-        for name, (module, warps, stages) in triton_modules(fn, fargs).items():
+        for name, module, warps, stages in triton_modules(fn, fargs):
             print(f"{case:<18} {name:<22} {ptxas_stats(module, warps, stages)}")
 
 
