@@ -94,8 +94,9 @@ def core_inputs(b, t, h, kd, key):
     return q, k, v, g, beta, a_log, dt_bias, h0
 
 
-def fla_us(inputs, lower_bound, reps):
-    """FLA 0.6.0 chunk_kda as SPEC §9 took its figures; raises if fla is missing."""
+def fla_call(inputs, lower_bound):
+    """A no-argument call of FLA 0.6.0 chunk_kda on `inputs` (shared through DLPack), as SPEC §9
+    took its figures; raises if fla is missing."""
     import torch
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
@@ -116,7 +117,12 @@ def fla_us(inputs, lower_bound, reps):
             **extra,
         )
 
-    return common.cuda_graph_us(call, reps)
+    return call
+
+
+def fla_us(inputs, lower_bound, reps):
+    """Median us per FLA chunk_kda call (CUDA-graph replay)."""
+    return common.cuda_graph_us(fla_call(inputs, lower_bound), reps)
 
 
 def _lengths_from(state, b, t):

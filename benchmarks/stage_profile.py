@@ -28,6 +28,7 @@ from bench_prefill import (  # noqa: E402
     chunk_flops,
     core_bytes,
     core_inputs,
+    fla_call,
     fla_us,
 )
 
@@ -38,26 +39,9 @@ from pallas_kernels.chunk_scan import ScanBlockSizes, _chunk_scan  # noqa: E402
 def fla_kernels(inputs, lower_bound):
     """Per-kernel CUDA time (us per call) of FLA chunk_kda, from torch.profiler."""
     import torch
-    from fla.ops.kda import chunk_kda as fla_chunk_kda
     from torch.profiler import ProfilerActivity, profile
 
-    q, k, v, g, beta, a_log, dt_bias, h0 = (torch.from_dlpack(x) for x in inputs)
-    extra = {} if lower_bound is None else dict(safe_gate=True, lower_bound=lower_bound)
-
-    def call():
-        return fla_chunk_kda(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            A_log=a_log,
-            dt_bias=dt_bias,
-            initial_state=h0,
-            **common.FLA_OPTIONS,
-            **extra,
-        )
-
+    call = fla_call(inputs, lower_bound)
     with torch.inference_mode():
         for _ in range(3):
             call()
