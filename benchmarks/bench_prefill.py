@@ -227,7 +227,7 @@ def bench_sweep(n, reps, records, meta, b=1, t=8192, h=32, kd=128):
         a_log,
         dt_bias,
         **kw,
-        blk=PrepareBlockSizes.default_for(kd, kd),
+        blk=PrepareBlockSizes(),
     )
     for bv in (32, 64, 128):
         for warps in (4, 8):
@@ -248,7 +248,7 @@ def bench_sweep(n, reps, records, meta, b=1, t=8192, h=32, kd=128):
                     None,
                     None,
                 )
-    print("defaults:", PrepareBlockSizes.default_for(kd, kd), ScanBlockSizes.default_for(b, h, kd))
+    print("defaults:", PrepareBlockSizes(), ScanBlockSizes.default_for(b, h, kd))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def main():
         lower_bound=LB,
         mm_dtype=jnp.bfloat16,
         l2_eps=L2_EPS,
-        blk=PrepareBlockSizes.default_for(kd, kd),
+        blk=PrepareBlockSizes(),
     )
     for bv, warps, stages in ((32, 4, 2),):
         blk = ScanBlockSizes(block_v=bv, num_warps=warps, num_stages=stages)

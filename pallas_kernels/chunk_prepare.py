@@ -92,11 +92,6 @@ class PrepareBlockSizes:
     block_k: int = 16
     num_warps: int = 4
 
-    @staticmethod
-    def default_for(head_dim: int, v_dim: int) -> PrepareBlockSizes:
-        del head_dim, v_dim  # K and V are powers of two >= 16: block_k = 16 always divides them
-        return PrepareBlockSizes()
-
 
 def _rows_and_cols(n: int):
     rows = lax.broadcasted_iota(jnp.int32, (n, n), 0)
@@ -109,11 +104,9 @@ def _needs_pairwise(lower_bound: float | None, sub: int) -> bool:
     return lower_bound is None or (sub - 1) * abs(lower_bound) > _FACTORISED_MAX_NATS
 
 
-def _dot_nt(x, y, precision=None):
-    """x @ y.T with fp32 accumulation."""
-    return lax.dot_general(
-        x, y, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=f32
-    )
+def _dot_nt(x, y):
+    """x @ y.T with fp32 accumulation (TF32 products for fp32 operands on a GPU)."""
+    return lax.dot_general(x, y, (((1,), (1,)), ((), ())), preferred_element_type=f32)
 
 
 def _unit_lower_inverse(lmat, *, sub: int):
@@ -402,7 +395,7 @@ def chunk_prepare(
     Returns:
       ChunkIntermediates with N = ceil(T / C) chunks per sequence.
     """
-    blk = PrepareBlockSizes.default_for(q.shape[-1], v.shape[-1])
+    blk = PrepareBlockSizes()  # block_k = 16 divides every valid K and V (powers of two >= 16)
     return _chunk_prepare(
         q,
         k,

@@ -31,7 +31,7 @@ def test_modules_are_clean_mlir_with_launch_params(case, kernels):
         assert text.rstrip().endswith("}")
 
 
-def test_unknown_case_is_one_clear_line(capsys, monkeypatch):
+def test_unknown_case_is_one_clear_line(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["ptxas_report.py", "nope"])
     with pytest.raises(SystemExit) as err:
         ptxas_report.main()
