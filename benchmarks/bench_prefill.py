@@ -25,13 +25,12 @@ Cases:
   replay of 20 calls, median; null with a printed reason when fla cannot import.
 - `prefill_block`: tokens/s of `forward.prefill` at B=1, T = 1024, 4096, 8192, 32768, backend
   pallas (and xla up to T=8192). Baseline: xla at the same T.
-- `--sweep` (extra, slow): stage times of chunk_prepare and chunk_scan over block sizes at B=1
-  T=8192, unbounded gate, so the defaults can be tuned from one run.
+Stage times and block-size sweeps of chunk_prepare / chunk_scan: benchmarks/stage_profile.py.
 
 JAX timing: one jitted `fori_loop` of n dependent calls (the final state is the carry and sets
 `lengths`, so nothing is loop-invariant), median over repetitions, divided by n.
 
-Usage: python benchmarks/bench_prefill.py --out PATH [--quick] [--sweep]
+Usage: python benchmarks/bench_prefill.py --out PATH [--quick]
 """
 
 from __future__ import annotations
@@ -57,8 +56,6 @@ from kda_jax.config import preset  # noqa: E402
 from kda_jax.params import init_params  # noqa: E402
 from kda_jax.state import KdaState  # noqa: E402
 from pallas_kernels.chunk import chunk_kda  # noqa: E402
-from pallas_kernels.chunk_prepare import PrepareBlockSizes, _chunk_prepare  # noqa: E402
-from pallas_kernels.chunk_scan import ScanBlockSizes, _chunk_scan  # noqa: E402
 
 BANDWIDTH = 4.3e12  # B/s, the H200's measured copy bandwidth (SPEC §9)
 PEAK = 790e12  # FLOP/s, bf16 matmul (PALLAS.md)
@@ -188,70 +185,6 @@ def bench_core(shapes, n, reps, records, meta, h=32, kd=128):
 
 
 # ----------------------------------------------------------------------------------------------
-# Stage sweep (block sizes), B=1 T=8192 unbounded
-# ----------------------------------------------------------------------------------------------
-def bench_sweep(n, reps, records, meta, b=1, t=8192, h=32, kd=128):
-    q, k, v, g, beta, a_log, dt_bias, h0 = core_inputs(b, t, h, kd, jax.random.key(7))
-    g = g.reshape(b, t, h * kd)
-    kw = dict(scale=kd**-0.5, chunk=64, lower_bound=None, mm_dtype=jnp.bfloat16, l2_eps=L2_EPS)
-    shape = f"B={b},T={t},H={h},K={kd},gate=unbounded"
-    inter = None
-    for warps in (4, 8):
-        blk = PrepareBlockSizes(sub=16, block_k=16, num_warps=warps)
-
-        def prep_step(state, blk=blk):
-            inter = _chunk_prepare(
-                q, k, v, g, beta, _lengths_from(state, b, t), a_log, dt_bias, **kw, blk=blk
-            )
-            return state + inter.gl[:, :, :1, :1]  # depends on the output; cheap
-
-        run = functools.partial(common.time_loop, prep_step, h0 + 0.0, n, reps)
-        common.run_case(
-            records,
-            meta,
-            "chunk_prepare",
-            shape,
-            f"pallas[num_warps={warps}]",
-            run,
-            0.0,
-            None,
-            None,
-        )
-    inter = _chunk_prepare(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        jnp.full((b,), t, jnp.int32),
-        a_log,
-        dt_bias,
-        **kw,
-        blk=PrepareBlockSizes(),
-    )
-    for bv in (32, 64, 128):
-        for warps in (4, 8):
-            for stages in (1, 2, 3):
-                blk = ScanBlockSizes(block_v=bv, num_warps=warps, num_stages=stages)
-                step = lambda s, blk=blk: _chunk_scan(  # noqa: E731
-                    inter, s, t=t, out_dtype=jnp.bfloat16, blk=blk
-                )[1]
-                run = functools.partial(common.time_loop, step, h0 + 0.0, n, reps)
-                common.run_case(
-                    records,
-                    meta,
-                    "chunk_scan",
-                    shape,
-                    f"pallas[block_v={bv},num_warps={warps},num_stages={stages}]",
-                    run,
-                    0.0,
-                    None,
-                    None,
-                )
-    print("defaults:", PrepareBlockSizes(), ScanBlockSizes.default_for(b, h, kd))
-
-
-# ----------------------------------------------------------------------------------------------
 # Whole block
 # ----------------------------------------------------------------------------------------------
 def block_flops(cfg, t):
@@ -300,15 +233,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file for the list of records")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    parser.add_argument("--sweep", action="store_true", help="also sweep the stage block sizes")
     args = parser.parse_args()
     meta = common.meta()
     reps = 3 if args.quick else 5
     records = common.Records(args.out)
     shapes = [(1, 8192), (4, 4096), (1, 32768)]
     bench_core(shapes, 20, reps, records, meta)
-    if args.sweep:
-        bench_sweep(10, reps, records, meta)
     cfg = preset("kimi-linear-48b")
     params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
     ts = (1024, 8192) if args.quick else (1024, 4096, 8192, 32768)

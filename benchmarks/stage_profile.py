@@ -1,5 +1,11 @@
-"""Stage times of the chunked prefill at B=1, T=8192, H=32 (ours per kernel; FLA per kernel
-through torch.profiler), for tuning. Usage: python benchmarks/stage_profile.py --out PATH"""
+"""Stage times of the chunked prefill at B=1, H=32 (T=8192 by default), both gates, for tuning:
+the whole core (chunk_kda) against FLA 0.6.0 chunk_kda in the same job, chunk_prepare and
+chunk_scan alone over the block sizes given, and with --fla FLA's kernels one by one
+(torch.profiler).
+
+    python benchmarks/stage_profile.py --out PATH [--t T] [--fla] [--configs 16x4,32x4]
+                                       [--scan-configs 32x4x2,64x4x2]
+"""
 
 from __future__ import annotations
 
@@ -68,6 +74,12 @@ def main():
         type=lambda x: [tuple(int(v) for v in c.split("x")) for c in x.split(",")],
         default=[(16, 4)],
         help="chunk_prepare block_k x num_warps list, e.g. 16x4,32x4",
+    )
+    parser.add_argument(
+        "--scan-configs",
+        type=lambda x: [tuple(int(v) for v in c.split("x")) for c in x.split(",")],
+        default=[(32, 4, 2)],
+        help="chunk_scan block_v x num_warps x num_stages list, e.g. 32x4x2,64x4x2",
     )
     args = parser.parse_args()
     meta = common.meta()
@@ -141,7 +153,7 @@ def main():
         l2_eps=L2_EPS,
         blk=PrepareBlockSizes(),
     )
-    for bv, warps, stages in ((32, 4, 2),):
+    for bv, warps, stages in args.scan_configs:
         blk = ScanBlockSizes(block_v=bv, num_warps=warps, num_stages=stages)
         step = lambda s, blk=blk: _chunk_scan(inter, s, t=t, out_dtype=jnp.bfloat16, blk=blk)[1]  # noqa: E731
         run = functools.partial(common.time_loop, step, h0 + 0.0, 10, 3)
