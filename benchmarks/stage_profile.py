@@ -77,9 +77,14 @@ def main():
     )
     parser.add_argument(
         "--scan-configs",
-        type=lambda x: [tuple(int(v) for v in c.split("x")) for c in x.split(",")],
+        type=lambda x: (
+            [] if x == "none" else [tuple(int(v) for v in c.split("x")) for c in x.split(",")]
+        ),
         default=[(32, 4, 2)],
-        help="chunk_scan block_v x num_warps x num_stages list, e.g. 32x4x2,64x4x2",
+        help="chunk_scan block_v x num_warps x num_stages list, e.g. 32x4x2,64x4x2; none: skip",
+    )
+    parser.add_argument(
+        "--gates", default="bounded,unbounded", help="which gates to time, e.g. unbounded"
     )
     args = parser.parse_args()
     meta = common.meta()
@@ -89,6 +94,8 @@ def main():
     q, k, v, g, beta, a_log, dt_bias, h0 = inputs
     g2 = g.reshape(b, t, h * kd)
     for lb, gate in ((LB, "bounded"), (None, "unbounded")):
+        if gate not in args.gates.split(","):
+            continue
         if args.fla:
             try:
                 for row in fla_kernels(inputs, lb):
@@ -137,6 +144,8 @@ def main():
                 None,
                 None,
             )
+    if not args.scan_configs:
+        return
     inter = _chunk_prepare(
         q,
         k,

@@ -1,0 +1,123 @@
+"""Where a decode step's time goes: the kernels one step launches, each one's device time, and the
+step's wall time, on one GPU.
+
+The jitted decode loop of bench_decode.py (n dependent steps in one `fori_loop`, state donated)
+runs once under torch.profiler, which records every kernel of the process through CUPTI, XLA's
+included; the Chrome trace is read back and its kernels grouped by name. Per case it prints and
+records: kernels per step, the sum of their device times per step ("busy"), the device span
+from the first kernel's start to the last one's end per step ("span"), and the loop's wall time
+per step measured without the profiler ("wall"). wall - busy is what launches and gaps cost.
+
+    python benchmarks/decode_profile.py --out PATH [--n 20]
+
+Run it again under another XLA_FLAGS (e.g. command buffers for while loops) to compare; the
+flags in force are recorded.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+from bench_decode import _decode_k_step, _decode_step, random_state  # noqa: E402
+
+from kda_jax.config import preset  # noqa: E402
+from kda_jax.params import init_params  # noqa: E402
+
+
+def _kernels(trace_path: str) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every GPU kernel in a Chrome trace."""
+    with open(trace_path) as fh:
+        events = json.load(fh)["traceEvents"]
+    return [
+        (e["name"], float(e["ts"]), float(e["dur"]))
+        for e in events
+        if e.get("cat") == "kernel" and "dur" in e
+    ]
+
+
+def profile_case(step, carry, n: int) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    loop = jax.jit(lambda c: lax.fori_loop(0, n, lambda i, c: step(c), c), donate_argnums=0)
+    for _ in range(2):
+        carry = jax.block_until_ready(loop(carry))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        carry = jax.block_until_ready(loop(carry))
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        kernels = _kernels(path)
+    wall = common.time_loop(step, carry, n, 5)
+    by_name = collections.defaultdict(list)
+    for name, _, dur in kernels:
+        by_name[name].append(dur)
+    rows = sorted(
+        ((name[:90], len(d) / n, sum(d) / len(d)) for name, d in by_name.items()),
+        key=lambda r: -r[1] * r[2],
+    )
+    span = (max(s + d for _, s, d in kernels) - min(s for _, s, _ in kernels)) if kernels else 0
+    return dict(
+        kernels_per_step=round(len(kernels) / n, 2),
+        busy_us=round(sum(d for _, _, d in kernels) / n, 2),
+        span_us=round(span / n, 2),
+        wall_us=round(wall, 2),
+        kernels=[dict(name=r[0], per_step=round(r[1], 2), mean_us=round(r[2], 2)) for r in rows],
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--n", type=int, default=20)
+    parser.add_argument("--cases", default="decode:1,decode:64,decode_k:8")
+    args = parser.parse_args()
+    cfg = preset("kimi-linear-48b")
+    params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    meta = common.meta()
+    meta["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    out = []
+    for case in args.cases.split(","):
+        what, num = case.split(":")
+        num = int(num)
+        key = jax.random.key(num)
+        if what == "decode":
+            x = jax.random.normal(key, (num, cfg.hidden), jnp.float32).astype(params.dtype)
+            step, carry = _decode_step(params, cfg, "pallas"), (x, random_state(cfg, num, key))
+            shape = f"B={num}"
+        else:
+            x = jax.random.normal(key, (1, num, cfg.hidden), jnp.float32).astype(params.dtype)
+            step, carry = _decode_k_step(params, cfg), (x, random_state(cfg, 1, key))
+            shape = f"B=1,k={num}"
+        try:
+            rec = dict(bench=f"{what}_profile", shape=shape, **profile_case(step, carry, args.n))
+        except Exception as e:  # noqa: BLE001 - reported in the record
+            rec = dict(bench=f"{what}_profile", shape=shape, error=f"{type(e).__name__}: {e}"[:400])
+        rec.update(meta)
+        out.append(rec)
+        with open(args.out, "w") as fh:
+            json.dump(out, fh, indent=1)
+        print(json.dumps({k: v for k, v in rec.items() if k != "kernels"}), flush=True)
+        for r in rec.get("kernels", []):
+            print(f"   {r['per_step']:6.2f} x {r['mean_us']:8.2f} us  {r['name']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
