@@ -86,11 +86,13 @@ class PrepareBlockSizes:
         hold little besides the [sub, C] score rows (H200, 2026-12-01: 16 measured 7% faster
         than 32 on the bounded gate; ptxas: 144 against 186 registers).
       num_warps: Triton warps per program (8 measured slower than 4).
+      diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel.
     """
 
     sub: int = 16
     block_k: int = 16
     num_warps: int = 4
+    diag_warps: int = 4
 
 
 def _rows_and_cols(n: int):
@@ -127,6 +129,48 @@ def _unit_lower_inverse(lmat, *, sub: int):
     return inv + dot(inv, eye - dot(eye + lmat, inv))
 
 
+def _diag_pairwise_kernel(
+    len_ref, q_ref, k_ref, f_ref, ea_ref, dt_ref, a_ref, l_ref, *, lower_bound, l2_eps
+):
+    """One (sequence, sub-block, head) of the unbounded gate: the diagonal block's scores pair by
+    pair, one key column j at a time over all of K, from block-local cumulative sums Gl:
+    a[i, j] = sum_d q_id k_jd exp(Gl_id - Gl_jd), l[i, j] the same with k_i, for j <= i (mask
+    applied before `exp`: exact at any decay strength), 0 above.
+
+    A kernel of its own (many small programs, few registers: latency hidden by occupancy) rather
+    than a phase of `_chunk_prepare_kernel`, where the same loop measured 1.85 ms at B=1, T=8192.
+    len_ref: [Bp]; q_ref, k_ref, f_ref: [sub, K]; ea_ref, dt_ref: [K]; a_ref, l_ref: [sub, sub].
+    """
+    sub, kd = q_ref.shape
+    seq, blk = pl.program_id(0), pl.program_id(1)
+    rid = lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
+    ok = blk * sub + rid < len_ref[seq]
+
+    def load(ref):
+        return plt.load(ref, mask=ok, other=0.0).astype(f32)
+
+    q, k = load(q_ref), load(k_ref)
+    if l2_eps is not None:
+        q = q * lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + l2_eps)
+        k = k * lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + l2_eps)
+    ea = ea_ref[...].astype(f32)[None, :]
+    dt = dt_ref[...].astype(f32)[None, :]
+    gl = jnp.cumsum(jnp.where(ok, gate_math(load(f_ref) + dt, ea, lower_bound), 0.0), axis=0)
+    col_ids = lax.broadcasted_iota(jnp.int32, (1, sub), 1)
+
+    def column(j, accs):
+        pick = rid == j  # row j by a masked sum over rows (exact: adds zeros)
+        k_j = jnp.sum(jnp.where(pick, k, 0.0), axis=0, keepdims=True)
+        gl_j = jnp.sum(jnp.where(pick, gl, 0.0), axis=0, keepdims=True)
+        ke = k_j * jnp.exp(jnp.where(rid >= j, gl - gl_j, -jnp.inf))
+        a_col = jnp.sum(q * ke, axis=1, keepdims=True)
+        l_col = jnp.sum(k * ke, axis=1, keepdims=True)
+        return jnp.where(col_ids == j, a_col, accs[0]), jnp.where(col_ids == j, l_col, accs[1])
+
+    zero = jnp.zeros((sub, sub), f32)
+    a_ref[...], l_ref[...] = lax.fori_loop(0, sub, column, (zero, zero))
+
+
 def _chunk_prepare_kernel(
     len_ref,
     q_ref,
@@ -136,6 +180,8 @@ def _chunk_prepare_kernel(
     b_ref,
     ea_ref,
     dt_ref,
+    diag_a_ref,
+    diag_l_ref,
     qg_ref,
     kg_ref,
     w_ref,
@@ -144,7 +190,6 @@ def _chunk_prepare_kernel(
     gl_ref,
     l_scr_ref,
     g_scr_ref,
-    gloc_scr_ref,
     *,
     scale: float,
     lower_bound: float | None,
@@ -155,9 +200,11 @@ def _chunk_prepare_kernel(
     """One (sequence, chunk, head).
 
     len_ref: [Bp] int32; q_ref, k_ref, f_ref: [C, K]; v_ref: [C, V]; b_ref: [C]; ea_ref (exp A_log
-    broadcast over K), dt_ref: [K]. Outputs: qg_ref, kg_ref, w_ref: [C, K]; u_ref: [C, V];
-    a_ref: [C, C]; gl_ref: [1, K]. Scratch outputs, private to this program (fp32): l_scr_ref
-    [C, 2C] holds L then T, g_scr_ref [C, K] holds G, gloc_scr_ref [C, K] the block-local sums.
+    broadcast over K), dt_ref: [K]; diag_a_ref, diag_l_ref: [C, sub] fp32, the diagonal blocks'
+    pairwise scores from `_diag_pairwise_kernel` (unbounded gate; unused otherwise).
+    Outputs: qg_ref, kg_ref, w_ref: [C, K]; u_ref: [C, V]; a_ref: [C, C]; gl_ref: [1, K].
+    Scratch outputs, private to this program (fp32): l_scr_ref [C, 2C] holds L then T,
+    g_scr_ref [C, K] holds G.
     """
     c, kd = q_ref.shape
     nb, bk = c // sub, block_k
@@ -229,35 +276,6 @@ def _chunk_prepare_kernel(
     # diagonal block is computed pairwise from block-local decay sums (exact at any strength).
     cols_c = lax.broadcasted_iota(jnp.int32, (1, c), 1)
     rs, cs = _rows_and_cols(sub)
-    col_ids = lax.broadcasted_iota(jnp.int32, (1, sub), 1)
-    row_loc = lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
-
-    def diag_pairwise(blk, rows, ok, bq, bkn):
-        """Scores of diagonal block `blk`, one key column j at a time, slice by slice:
-        exp(Gl_i - Gl_j) from the block-local sums Gl, masked to j <= i before `exp` (exact at
-        any decay strength)."""
-
-        def over_cols(cols, accs):
-            q_b = load(q_ref, cols, rows, ok) * bq
-            k_b = load(k_ref, cols, rows, ok) * bkn
-            gl_b = gloc_scr_ref[rows, cols]
-
-            def column(j, accs):
-                at = pl.ds(blk * sub + j, 1)
-                k_j = jnp.sum(jnp.where(row_loc == j, k_b, 0.0), axis=0, keepdims=True)
-                gl_j = gloc_scr_ref[at, cols]
-                ke = k_j * jnp.exp(jnp.where(row_loc >= j, gl_b - gl_j, -jnp.inf))
-                a_col = jnp.sum(q_b * ke, axis=1, keepdims=True)
-                l_col = jnp.sum(k_b * ke, axis=1, keepdims=True)
-                return (
-                    jnp.where(col_ids == j, a_col, 0.0) + accs[0],
-                    jnp.where(col_ids == j, l_col, 0.0) + accs[1],
-                )
-
-            return lax.fori_loop(0, sub, column, accs)
-
-        zero = jnp.zeros((sub, sub), f32)
-        return over_slices(kd, over_cols, (zero, zero))
 
     for blk in range(nb):
         rows = pl.ds(blk * sub, sub)
@@ -276,8 +294,6 @@ def _chunk_prepare_kernel(
                 k_col = load(k_ref, cols) * rk * jnp.exp(from_r)
                 acc_a += _dot_nt(q_b * to_r, k_col)
                 acc_l += _dot_nt(k_b * to_r, k_col)
-            if pairwise:  # block-local decay sums for the diagonal block
-                gloc_scr_ref[rows, cols] = decay(cols, rows, ok)
             return acc_a, acc_l
 
         zero_r = jnp.zeros((sub, c), f32)
@@ -288,8 +304,7 @@ def _chunk_prepare_kernel(
         a_rows = jnp.where(cols_c <= row_ids, scale * acc_a, 0.0).astype(a_ref.dtype)
         l_rows = jnp.where(cols_c < row_ids, beta_b * acc_l, 0.0)
         if pairwise:  # the diagonal block beside the rest of the rows (disjoint addresses)
-            barrier()
-            diag_a, diag_l = diag_pairwise(blk, rows, ok, bq, bkn)
+            diag_a, diag_l = diag_a_ref[rows, :], diag_l_ref[rows, :]
             off = cols_c // sub != blk
             plt.store(a_ref.at[rows, :], a_rows, mask=off)
             plt.store(l_scr_ref.at[rows, pl.ds(0, c)], l_rows, mask=off)
@@ -449,15 +464,38 @@ def _chunk_prepare(
         a=inter(chunk),
         gl=pl.BlockSpec((None, None, 1, kd), lambda s, c, hh: (s, hh, c, 0)),
     )
-    gloc_spec = inter(kd)  # block-local decay sums, only written for the pairwise diagonal
-    if not _needs_pairwise(lower_bound, blk.sub):
-        gloc_spec = pl.BlockSpec((None, None, chunk, kd), lambda s, c, hh: (0, 0, 0, 0))
+    f4 = f.reshape(bsz, t, h, kd)
+    sub = blk.sub
+    if _needs_pairwise(lower_bound, sub):
+        diag_shape = jax.ShapeDtypeStruct((bsz, h, tp, sub), f32)
+        sub_tok = pl.BlockSpec((None, sub, None, kd), lambda s, i, hh: (s, i, hh, 0))
+        diag_a, diag_l = pl.pallas_call(
+            functools.partial(_diag_pairwise_kernel, lower_bound=lower_bound, l2_eps=l2_eps),
+            out_shape=(diag_shape, diag_shape),
+            grid=(bsz, tp // sub, h),
+            in_specs=[
+                pl.BlockSpec((lens.shape[0],), lambda s, i, hh: (0,)),
+                sub_tok,
+                sub_tok,
+                sub_tok,
+                pl.BlockSpec((None, kd), lambda s, i, hh: (hh, 0)),
+                pl.BlockSpec((None, kd), lambda s, i, hh: (hh, 0)),
+            ],
+            out_specs=2 * (pl.BlockSpec((None, None, sub, sub), lambda s, i, hh: (s, hh, i, 0)),),
+            compiler_params=plt.CompilerParams(num_warps=blk.diag_warps, num_stages=1),
+            name="kda_chunk_diag",
+            interpret=common.interpret(),
+        )(lens, q, k, f4, ea, dt)
+        diag_spec = inter(sub)
+    else:  # not read: the factorised path computes the diagonal blocks with the rest
+        diag_a = diag_l = jnp.zeros((1, 1, chunk, sub), f32)
+        diag_spec = pl.BlockSpec((None, None, chunk, sub), lambda s, c, hh: (0, 0, 0, 0))
     kernel = functools.partial(
         _chunk_prepare_kernel,
         scale=scale,
         lower_bound=lower_bound,
         l2_eps=l2_eps,
-        sub=blk.sub,
+        sub=sub,
         block_k=blk.block_k,
     )
     res = pl.pallas_call(
@@ -466,10 +504,6 @@ def _chunk_prepare(
             *out_shape,
             jax.ShapeDtypeStruct((bsz, h, tp, 2 * chunk), f32),
             jax.ShapeDtypeStruct((bsz, h, tp, kd), f32),
-            jax.ShapeDtypeStruct(
-                (bsz, h, tp, kd) if _needs_pairwise(lower_bound, blk.sub) else (1, 1, chunk, kd),
-                f32,
-            ),
         ),
         grid=(bsz, n, h),
         in_specs=[
@@ -481,10 +515,12 @@ def _chunk_prepare(
             pl.BlockSpec((None, chunk, None), lambda s, c, hh: (s, c, hh)),
             head,
             head,
+            diag_spec,
+            diag_spec,
         ],
-        out_specs=(*out_specs, inter(2 * chunk), inter(kd), gloc_spec),
+        out_specs=(*out_specs, inter(2 * chunk), inter(kd)),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),
         name="kda_chunk_prepare",
         interpret=common.interpret(),
-    )(lens, q, k, v, f.reshape(bsz, t, h, kd), b, ea, dt)
-    return ChunkIntermediates(*res[:-3])  # the last three outputs are the kernel's scratch
+    )(lens, q, k, v, f4, b, ea, dt, diag_a, diag_l)
+    return ChunkIntermediates(*res[:-2])  # the last two outputs are the kernel's scratch
