@@ -1,7 +1,7 @@
 """The one place a backend name becomes the functions the block's forward calls.
 
-Both backends expose the same five stages with the signatures of `pallas_kernels.reference`:
-`proj`, `conv_decode`, `conv_prefill`, `decode_core`, `prefill_core`.
+Both backends expose the same six stages with the signatures of `pallas_kernels.reference`:
+`proj`, `proj_many`, `conv_decode`, `conv_prefill`, `decode_core`, `prefill_core`.
 - `xla`: the pure-jnp references (any platform; the CPU default).
 - `pallas`: the Pallas Triton kernels (the GPU default); on a machine without a GPU they run in
   interpret mode, which is slow and meant for tests.
@@ -24,6 +24,7 @@ BACKENDS = ("xla", "pallas")
 @dataclasses.dataclass(frozen=True)
 class Stages:
     proj: Callable
+    proj_many: Callable
     conv_decode: Callable
     conv_prefill: Callable
     decode_core: Callable
@@ -49,6 +50,7 @@ def stages(backend: str) -> Stages:
     if backend == "xla":
         return Stages(
             proj=ref.gemv_reference,
+            proj_many=ref.proj_many_reference,
             conv_decode=ref.conv_decode_reference,
             conv_prefill=ref.conv_prefill_reference,
             decode_core=ref.decode_core_reference,
@@ -57,11 +59,12 @@ def stages(backend: str) -> Stages:
     if backend == "pallas":
         from pallas_kernels.chunk import prefill_core
         from pallas_kernels.conv import conv_decode, conv_prefill
-        from pallas_kernels.gemv import proj
+        from pallas_kernels.gemv import proj, proj_many
         from pallas_kernels.recurrent import decode_core
 
         return Stages(
             proj=proj,
+            proj_many=proj_many,
             conv_decode=conv_decode,
             conv_prefill=conv_prefill,
             decode_core=decode_core,

@@ -33,15 +33,19 @@ def _check_x(x: jax.Array, cfg: KdaConfig, rank: int, what: str) -> None:
 
 
 def _front(st: backends.Stages, params: KdaParams, cfg: KdaConfig, x: jax.Array):
-    """The projections of x [B, R, D]: q|k|v raw [B, R, 3P], f [B, R, P], b [B, R, H], z."""
+    """The projections of x [B, R, D]: q|k|v raw [B, R, 3P], f [B, R, P], b [B, R, H], z.
+
+    One sweep of w_in hands back its parts as separate arrays (no slice copies), and f_b, g_b
+    run in one launch (`proj_many`)."""
     b_, r, d = x.shape
     sl = in_proj_slices(cfg)
-    h = st.proj(x.reshape(b_ * r, d).astype(params.dtype), params.w_in)
-    f = st.proj(h[:, sl["f_a"]], params.f_b)
-    z = st.proj(h[:, sl["g_a"]], params.g_b)
+    widths = (cfg.conv_dim, *(sl[n].stop - sl[n].start for n in ("f_a", "g_a", "b")))
+    qkv, f_a, g_a, b = st.proj(
+        x.reshape(b_ * r, d).astype(params.dtype), params.w_in, splits=widths
+    )
+    f, z = st.proj_many((f_a, g_a), (params.f_b, params.g_b))
     shape = lambda a: a.reshape(b_, r, a.shape[-1])  # noqa: E731
-    qkv = shape(h[:, : cfg.conv_dim])
-    return qkv, shape(f), shape(h[:, sl["b"]]), shape(z)
+    return shape(qkv), shape(f), shape(b), shape(z)
 
 
 def _split_heads(cfg: KdaConfig, conv_out: jax.Array):

@@ -41,7 +41,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels import common
 from pallas_kernels import reference as ref
 
-__all__ = ["GemvBlockSizes", "MAX_KERNEL_ROWS", "gemv", "gemv_batchm", "proj"]
+__all__ = ["GemvBlockSizes", "MAX_KERNEL_ROWS", "gemv", "gemv_batchm", "proj", "proj_many"]
 
 # Rows of every activation tile: M is padded (by masking) to the smallest tensor-core tile.
 _ROWS = 16
@@ -122,53 +122,79 @@ class GemvBlockSizes:
 
 
 def _gemv_kernel(
-    x_ref, w_ref, y_ref, *, m: int, n: int, d: int, block_n: int, block_d: int, steps: int
+    *refs, groups: int, m: int, n: int, d: int, bs: GemvBlockSizes, steps: int, bounds
 ):
-    """One program: y[split, :m, n0:n0+block_n] for n0 = program_id(0) * block_n over the D
-    range of split = program_id(1) (`steps` slices of block_d).
+    """One program: rows n0:n0+block_n (n0 = program_id(0) * block_n) of group program_id(2),
+    over the D range of split = program_id(1) (`steps` slices of block_d).
 
-    x_ref: [m, d] (any float dtype, cast to w's dtype on load, as the reference does);
-    w_ref: [n, d]; y_ref: [split_d, m, n]. Loads and stores are masked at row m, row n, column d.
+    refs: x refs [m, d] (any float dtype, cast to w's dtype on load, as the reference does), one
+    per group; w refs [n, d], one per group; then per group one y ref [split_d, m, n_s] per output
+    segment, segment s holding rows bounds[s]:bounds[s+1] (block_n divides every bound, so a
+    program's rows fall in one segment). Loads and stores are masked at row m, row n, column d.
     """
+    block_n, block_d = bs.block_n, bs.block_d
+    xs, ws, ys = refs[:groups], refs[groups : 2 * groups], refs[2 * groups :]
+    segments = len(bounds) - 1
     n0 = pl.program_id(0) * block_n
-    first = pl.program_id(1) * steps
+    split = pl.program_id(1)  # read here: interpret mode cannot see program_id inside pl.when
+    first = split * steps
     x_rows = lax.broadcasted_iota(jnp.int32, (_ROWS, block_d), 0) < m  # [_ROWS, block_d]
     w_rows = n0 + lax.broadcasted_iota(jnp.int32, (block_n, block_d), 0) < n  # [block_n, block_d]
     ragged_n = n % block_n != 0
     ragged_d = d % block_d != 0
 
-    def step(i, acc):
-        k0 = pl.multiple_of((first + i) * block_d, block_d)
-        x_mask, w_mask = x_rows, (w_rows if ragged_n else None)
-        if ragged_d:
-            x_cols = k0 + lax.broadcasted_iota(jnp.int32, (_ROWS, block_d), 1) < d
-            w_cols = k0 + lax.broadcasted_iota(jnp.int32, (block_n, block_d), 1) < d
-            x_mask = x_mask & x_cols
-            w_mask = w_cols if w_mask is None else w_mask & w_cols
-        xt = plt.load(x_ref.at[pl.ds(0, _ROWS), pl.ds(k0, block_d)], mask=x_mask, other=0)
-        wt = plt.load(
-            w_ref.at[pl.ds(n0, block_n), pl.ds(k0, block_d)],
-            mask=w_mask,
-            other=None if w_mask is None else 0,
-            eviction_policy="evict_first",  # every weight byte is read once: do not keep it
-        )
-        part = lax.dot_general(
-            xt.astype(wt.dtype),
-            wt,
-            (((1,), (1,)), ((), ())),
-            preferred_element_type=jnp.float32,
-            precision=lax.Precision.HIGHEST,  # fp32 weights: IEEE fp32, not TF32
-        )
-        return acc + part
+    def sweep(x_ref, w_ref):
+        def step(i, acc):
+            k0 = pl.multiple_of((first + i) * block_d, block_d)
+            x_mask, w_mask = x_rows, (w_rows if ragged_n else None)
+            if ragged_d:
+                x_cols = k0 + lax.broadcasted_iota(jnp.int32, (_ROWS, block_d), 1) < d
+                w_cols = k0 + lax.broadcasted_iota(jnp.int32, (block_n, block_d), 1) < d
+                x_mask = x_mask & x_cols
+                w_mask = w_cols if w_mask is None else w_mask & w_cols
+            xt = plt.load(x_ref.at[pl.ds(0, _ROWS), pl.ds(k0, block_d)], mask=x_mask, other=0)
+            wt = plt.load(
+                w_ref.at[pl.ds(n0, block_n), pl.ds(k0, block_d)],
+                mask=w_mask,
+                other=None if w_mask is None else 0,
+                eviction_policy="evict_first",  # every weight byte is read once: do not keep it
+            )
+            part = lax.dot_general(
+                xt.astype(wt.dtype),
+                wt,
+                (((1,), (1,)), ((), ())),
+                preferred_element_type=jnp.float32,
+                precision=lax.Precision.HIGHEST,  # fp32 weights: IEEE fp32, not TF32
+            )
+            return acc + part
 
-    acc = lax.fori_loop(0, steps, step, jnp.zeros((_ROWS, block_n), jnp.float32))
-    y_rows = lax.broadcasted_iota(jnp.int32, (_ROWS, block_n), 0) < m
-    y_cols = n0 + lax.broadcasted_iota(jnp.int32, (_ROWS, block_n), 1) < n
-    plt.store(
-        y_ref.at[pl.program_id(1), pl.ds(0, _ROWS), pl.ds(n0, block_n)],
-        acc.astype(y_ref.dtype),
-        mask=y_rows & y_cols,
-    )
+        return lax.fori_loop(0, steps, step, jnp.zeros((_ROWS, block_n), jnp.float32))
+
+    def store(y_ref, acc, lo, hi):
+        y_rows = lax.broadcasted_iota(jnp.int32, (_ROWS, block_n), 0) < m
+        y_cols = n0 + lax.broadcasted_iota(jnp.int32, (_ROWS, block_n), 1) < hi
+        plt.store(
+            y_ref.at[split, pl.ds(0, _ROWS), pl.ds(n0 - lo, block_n)],
+            acc.astype(y_ref.dtype),
+            mask=y_rows & y_cols,
+        )
+
+    def group(g):
+        acc = sweep(xs[g], ws[g])
+        if segments == 1:
+            store(ys[g], acc, 0, n)
+            return
+        for s in range(segments):
+            lo, hi = bounds[s], bounds[s + 1]
+            pl.when((n0 >= lo) & (n0 < hi))(
+                functools.partial(store, ys[g * segments + s], acc, lo, hi)
+            )
+
+    if groups == 1:
+        group(0)
+    else:
+        for g in range(groups):
+            pl.when(pl.program_id(2) == g)(functools.partial(group, g))
 
 
 def _check(x: jax.Array, w: jax.Array, what: str, m_range: tuple[int, int]) -> None:
@@ -187,44 +213,91 @@ def _check(x: jax.Array, w: jax.Array, what: str, m_range: tuple[int, int]) -> N
         raise ValueError(f"{what}: x has M = {x.shape[0]} rows, expected {lo} <= M <= {hi}")
 
 
-def _sweep(x: jax.Array, w: jax.Array, *, out_dtype, block_sizes: GemvBlockSizes) -> jax.Array:
-    """x [M, D] (M <= 8) @ w[N, D].T -> [M, N] out_dtype, one pass over w."""
-    m, d = x.shape
-    n = w.shape[0]
+def _bounds(n: int, splits) -> tuple[int, ...]:
+    """Segment bounds (0, ..., n) of the output rows for `splits` (widths summing to n)."""
+    if splits is None:
+        return (0, n)
+    splits = tuple(int(v) for v in splits)
+    if not splits or min(splits) < 1 or sum(splits) != n:
+        raise ValueError(f"splits={splits}: expected positive widths summing to N={n}")
+    bounds = [0]
+    for v in splits:
+        bounds.append(bounds[-1] + v)
+    return tuple(bounds)
+
+
+def _sweep(xs, ws, *, out_dtype, block_sizes: GemvBlockSizes, bounds) -> list[list[jax.Array]]:
+    """xs[g] [M, D] (M <= 8) @ ws[g][N, D].T for every group g, one pass over each weight, in one
+    launch; group g's rows split at `bounds` -> [[y [M, n_s] out_dtype per segment] per group]."""
+    m, d = xs[0].shape
+    n = ws[0].shape[0]
     bs = block_sizes
     steps = common.cdiv(d, bs.block_d)
     if steps % bs.split_d:
         raise ValueError(f"split_d={bs.split_d} must divide the {steps} slices of D={d}")
+    if any(b % bs.block_n for b in bounds[1:-1]):
+        raise ValueError(f"block_n={bs.block_n} must divide every split bound {bounds[1:-1]}")
     steps //= bs.split_d
+    groups, segments = len(ws), len(bounds) - 1
     kernel = functools.partial(
-        _gemv_kernel, m=m, n=n, d=d, block_n=bs.block_n, block_d=bs.block_d, steps=steps
+        _gemv_kernel, groups=groups, m=m, n=n, d=d, bs=bs, steps=steps, bounds=bounds
     )
     part_dtype = out_dtype if bs.split_d == 1 else jnp.float32
+    widths = [bounds[s + 1] - bounds[s] for s in range(segments)]
     parts = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((bs.split_d, m, n), part_dtype),
-        grid=(common.cdiv(n, bs.block_n), bs.split_d),
+        out_shape=[
+            jax.ShapeDtypeStruct((bs.split_d, m, w), part_dtype) for _ in ws for w in widths
+        ],
+        grid=(common.cdiv(n, bs.block_n), bs.split_d, groups),
         compiler_params=plt.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         name="kda_gemv",
         interpret=common.interpret(),
-    )(x, w)
-    y = parts[0]
-    for i in range(1, bs.split_d):  # fixed left-to-right order, elementwise: M-independent bits
-        y = y + parts[i]
-    return y.astype(out_dtype)
+    )(*xs, *ws)
+    out = []
+    for p in parts:
+        y = p[0]
+        for i in range(1, bs.split_d):  # fixed left-to-right order, elementwise: M-independent
+            y = y + p[i]
+        out.append(y.astype(out_dtype))
+    return [out[g * segments : (g + 1) * segments] for g in range(groups)]
 
 
-def _run(x, w, out_dtype, block_sizes, what, m_range):
-    _check(x, w, what, m_range)
-    n, d = w.shape
-    bs = block_sizes or GemvBlockSizes.default_for(n, d, x.shape[0], w.dtype)
-    out_dtype = jnp.dtype(out_dtype or w.dtype)
-    return _sweep(x, w, out_dtype=out_dtype, block_sizes=bs)
+def _largest_block_n(bs: GemvBlockSizes, bounds) -> GemvBlockSizes:
+    """bs with block_n lowered (to >= 16) until it divides every split bound."""
+    block_n = bs.block_n
+    while block_n > 16 and any(b % block_n for b in bounds[1:-1]):
+        block_n //= 2
+    return dataclasses.replace(bs, block_n=block_n)
+
+
+def _run(xs, ws, out_dtype, block_sizes, splits, what, m_range):
+    """Validates, picks the tiling (the same for every M: bit-equality), runs one sweep."""
+    for x, w in zip(xs, ws, strict=True):
+        _check(x, w, what, m_range)
+        if w.shape != ws[0].shape or w.dtype != ws[0].dtype or x.shape != xs[0].shape:
+            raise ValueError(
+                f"{what}: every group needs the same x and w shapes and w dtype, got x "
+                f"{[tuple(a.shape) for a in xs]}, w {[(tuple(a.shape), a.dtype) for a in ws]}"
+            )
+    n, d = ws[0].shape
+    bounds = _bounds(n, splits)
+    bs = block_sizes or _largest_block_n(
+        GemvBlockSizes.default_for(n, d, xs[0].shape[0], ws[0].dtype), bounds
+    )
+    out_dtype = jnp.dtype(out_dtype or ws[0].dtype)
+    ys = _sweep(xs, ws, out_dtype=out_dtype, block_sizes=bs, bounds=bounds)
+    return [y[0] if splits is None else tuple(y) for y in ys]
 
 
 def gemv(
-    x: jax.Array, w: jax.Array, *, out_dtype=None, block_sizes: GemvBlockSizes | None = None
-) -> jax.Array:
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    out_dtype=None,
+    block_sizes: GemvBlockSizes | None = None,
+    splits: tuple[int, ...] | None = None,
+):
     """One row: y = x @ w.T with fp32 accumulation, every weight byte read once.
 
     Args:
@@ -233,29 +306,35 @@ def gemv(
       out_dtype: dtype of y (default: w.dtype).
       block_sizes: tiling (default: `GemvBlockSizes.default_for`). Pass the same to
         `gemv_batchm` when its rows must equal this function's bits.
+      splits: widths summing to N: y comes back as that many arrays (columns of y in order),
+        each written by the kernel (no slice copies). Every bound must be a multiple of 16.
     Returns:
-      [1, N] out_dtype.
+      [1, N] out_dtype, or a tuple of [1, n_s] when `splits` is given.
     """
-    return _run(x, w, out_dtype, block_sizes, "gemv", (1, 1))
+    return _run([x], [w], out_dtype, block_sizes, splits, "gemv", (1, 1))[0]
 
 
 def gemv_batchm(
-    x: jax.Array, w: jax.Array, *, out_dtype=None, block_sizes: GemvBlockSizes | None = None
-) -> jax.Array:
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    out_dtype=None,
+    block_sizes: GemvBlockSizes | None = None,
+    splits: tuple[int, ...] | None = None,
+):
     """2..8 rows in ONE sweep over w; row i has exactly the bits of `gemv(x[i:i+1], w)`.
 
     Args:
       x: [M, D] activations, 2 <= M <= 8, any float dtype (cast to w.dtype first).
       w: [N, D] bf16 or fp32 weight, torch `[out, in]` layout.
-      out_dtype: dtype of y (default: w.dtype).
-      block_sizes: tiling (default: `GemvBlockSizes.default_for`, the same as `gemv`'s).
+      out_dtype, block_sizes, splits: as for `gemv` (the same defaults give the same bits).
     Returns:
-      [M, N] out_dtype.
+      [M, N] out_dtype, or a tuple of [M, n_s] when `splits` is given.
     """
-    return _run(x, w, out_dtype, block_sizes, "gemv_batchm", (2, MAX_KERNEL_ROWS))
+    return _run([x], [w], out_dtype, block_sizes, splits, "gemv_batchm", (2, MAX_KERNEL_ROWS))[0]
 
 
-def proj(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
+def proj(x: jax.Array, w: jax.Array, *, out_dtype=None, splits: tuple[int, ...] | None = None):
     """The projection stage of the block: y = x @ w.T, fp32 accumulation (`gemv_reference`).
 
     Dispatch on the row count M (a static shape, so one branch is traced):
@@ -268,15 +347,43 @@ def proj(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
     Args:
       x: [M, D], M >= 1, any float dtype; w: [N, D] bf16 or fp32 (any D, e.g. K = 128 for f_b).
       out_dtype: dtype of y (default: w.dtype).
+      splits: widths summing to N: return y's column blocks as separate arrays (the kernel
+        writes each one; bounds must be multiples of 16).
     Returns:
-      [M, N] out_dtype.
+      [M, N] out_dtype, or a tuple of [M, n_s] when `splits` is given.
     """
     if x.ndim != 2 or x.shape[0] < 1:
         raise ValueError(f"proj: x has shape {tuple(x.shape)}, expected [M, D] with M >= 1")
     m = x.shape[0]
-    if m == 1:
-        return gemv(x, w, out_dtype=out_dtype)
     if m <= MAX_KERNEL_ROWS:
-        return gemv_batchm(x, w, out_dtype=out_dtype)
+        what, rng = ("gemv", (1, 1)) if m == 1 else ("gemv_batchm", (2, MAX_KERNEL_ROWS))
+        return _run([x], [w], out_dtype, None, splits, what, rng)[0]
     _check(x, w, "proj", (m, m))
-    return ref.gemv_reference(x, w, out_dtype=out_dtype)
+    return ref.gemv_reference(x, w, out_dtype=out_dtype, splits=splits)
+
+
+def proj_many(xs, ws, *, out_dtype=None) -> tuple[jax.Array, ...]:
+    """Several projections of one shape, y_g = xs[g] @ ws[g].T (`reference.proj_many_reference`):
+    one launch for M <= 8 (a grid axis over the weights; the decode step's f_b and g_b), XLA's
+    dots above, as in `proj`.
+
+    Args:
+      xs: sequence of [M, D] activations (same shape); ws: sequence of [N, D] weights (same shape
+        and dtype), as many as xs.
+      out_dtype: dtype of every y (default: the weights' dtype).
+    Returns:
+      tuple of [M, N] out_dtype, one per weight.
+    """
+    xs, ws = list(xs), list(ws)
+    if not xs or len(xs) != len(ws) or xs[0].ndim != 2 or xs[0].shape[0] < 1:
+        raise ValueError(
+            f"proj_many: {len(xs)} activations and {len(ws)} weights, expected as many of each "
+            "(at least one), activations [M, D] with M >= 1"
+        )
+    m = xs[0].shape[0]
+    if m <= MAX_KERNEL_ROWS:
+        what, rng = ("proj_many", (1, MAX_KERNEL_ROWS))
+        return tuple(_run(xs, ws, out_dtype, None, None, what, rng))
+    for x, w in zip(xs, ws, strict=True):
+        _check(x, w, "proj_many", (m, m))
+    return ref.proj_many_reference(xs, ws, out_dtype=out_dtype)

@@ -14,6 +14,7 @@ from jax import lax
 
 __all__ = [
     "gemv_reference",
+    "proj_many_reference",
     "conv_decode_reference",
     "conv_prefill_reference",
     "gate_reference",
@@ -30,15 +31,16 @@ f32 = jnp.float32
 # --------------------------------------------------------------------------------------------
 # Projections
 # --------------------------------------------------------------------------------------------
-def gemv_reference(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
+def gemv_reference(x: jax.Array, w: jax.Array, *, out_dtype=None, splits=None):
     """y = x @ w.T with fp32 accumulation.
 
     Args:
       x: [M, D] activations (M rows; 1 for a single-token GEMV).
       w: [N, D] weight in torch `[out, in]` layout.
       out_dtype: dtype of y (default: w.dtype).
+      splits: widths summing to N: return y's column blocks, in order, as a tuple.
     Returns:
-      [M, N] out_dtype.
+      [M, N] out_dtype, or a tuple of [M, n_s] when `splits` is given.
     """
     y = lax.dot_general(
         x.astype(w.dtype),
@@ -46,8 +48,20 @@ def gemv_reference(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
         (((1,), (1,)), ((), ())),
         preferred_element_type=f32,
         precision=lax.Precision.HIGHEST,
-    )
-    return y.astype(out_dtype or w.dtype)
+    ).astype(out_dtype or w.dtype)
+    if splits is None:
+        return y
+    if sum(splits) != w.shape[0]:
+        raise ValueError(f"splits={tuple(splits)}: expected widths summing to N={w.shape[0]}")
+    bounds = [0]
+    for v in splits:
+        bounds.append(bounds[-1] + v)
+    return tuple(y[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def proj_many_reference(xs, ws, *, out_dtype=None) -> tuple[jax.Array, ...]:
+    """(xs[g] @ ws[g].T for every g), fp32 accumulation: several projections of one shape."""
+    return tuple(gemv_reference(x, w, out_dtype=out_dtype) for x, w in zip(xs, ws, strict=True))
 
 
 # --------------------------------------------------------------------------------------------

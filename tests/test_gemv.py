@@ -198,3 +198,69 @@ def test_default_splits_o_proj_only():
     assert G.GemvBlockSizes.default_for(*O_PROJ).split_d > 1
     assert G.GemvBlockSizes.default_for(*W_IN).split_d == 1
     assert G.GemvBlockSizes.default_for(*F_B).split_d == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Output segments (w_in's parts written as separate arrays) and several weights in one launch
+# --------------------------------------------------------------------------------------------
+# w_in's parts: q|k|v, f_a, g_a, b on the GPU; on the CPU a ragged [100 + 16 + 16 + 5, 96].
+W_IN_SPLITS = (3 * 4096, 128, 128, 32) if ON_GPU else (96, 16, 16, 5)
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 11])
+def test_splits_match_reference_and_row_bits(rng, m):
+    """Each segment equals the reference's columns; kernel rows (M <= 8) keep their bits across M
+    and equal the unsplit kernel's (the segment is only where a tile is stored); M > 8 is XLA."""
+    d = W_IN[1] if ON_GPU else 96
+    x, w = _inputs(rng, sum(W_IN_SPLITS), d, m, BF16, BF16)
+    got = jax.jit(lambda x, w: G.proj(x, w, out_dtype=F32, splits=W_IN_SPLITS))(x, w)
+    want = ref.gemv_reference(x, w, out_dtype=F32, splits=W_IN_SPLITS)
+    assert len(got) == len(W_IN_SPLITS)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.shape == (m, W_IN_SPLITS[i]), a.shape
+        assert_close(a, b, FP32_TOL, f"segment {i}, M={m}")
+    if m <= G.MAX_KERNEL_ROWS:
+        whole = G.proj(x, w, out_dtype=F32)
+        _exact_rows(jnp.concatenate(got, axis=1), whole, f"segments vs unsplit, M={m}")
+        one = G.proj(x[-1:], w, out_dtype=F32, splits=W_IN_SPLITS)
+        for i in range(len(got)):
+            _exact_rows(got[i][-1:], one[i], f"segment {i}: last row of M={m} vs M=1")
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 12])
+def test_proj_many_matches_reference_and_gemv_bits(rng, m):
+    """Two weights in one launch (f_b, g_b): each output equals its own gemv bit for bit, and the
+    reference within fp32 rounding."""
+    n, d = F_B if ON_GPU else (100, 48)
+    k1, k2 = jax.random.split(rng)
+    (x1, w1), (x2, w2) = _inputs(k1, n, d, m, BF16, BF16), _inputs(k2, n, d, m, BF16, BF16)
+    got = jax.jit(G.proj_many)((x1, x2), (w1, w2))
+    want = ref.proj_many_reference((x1, x2), (w1, w2))
+    for i, (a, b, x, w) in enumerate(zip(got, want, (x1, x2), (w1, w2), strict=True)):
+        assert_close(a, b, TOL["bf16_stage"], f"proj_many output {i}, M={m}")
+        if m <= G.MAX_KERNEL_ROWS:
+            _exact_rows(a, G.proj(x, w), f"proj_many output {i} vs proj, M={m}")
+
+
+def test_splits_and_groups_reject_bad_input():
+    x, w = jnp.ones((2, 96), BF16), jnp.ones((100, 96), BF16)
+    with pytest.raises(ValueError, match="summing to N=100"):
+        G.proj(x, w, splits=(50, 40))
+    with pytest.raises(ValueError, match="must divide every split bound"):
+        G.proj(x, w, splits=(50, 50))
+    with pytest.raises(ValueError, match="as many of each"):
+        G.proj_many((x, x), (w,))
+    with pytest.raises(ValueError, match="same x and w shapes"):
+        G.proj_many((x, x), (w, w[:64]))
+
+
+def test_splits_and_groups_lower_for_h200():
+    """w_in with its four segments and f_b | g_b as one launch, at the real shapes."""
+    x = jax.ShapeDtypeStruct((1, W_IN[1]), BF16)
+    w = jax.ShapeDtypeStruct(W_IN, BF16)
+    text = lower_for_h200(lambda x, w: G.proj(x, w, splits=(3 * 4096, 128, 128, 32)), x, w)
+    assert text.count("xla.gpu.triton") == 1, "expected one kernel for the four segments"
+    x = jax.ShapeDtypeStruct((4, F_B[1]), BF16)
+    w = jax.ShapeDtypeStruct(F_B, BF16)
+    text = lower_for_h200(lambda x, w: G.proj_many((x, x), (w, w)), x, w)
+    assert text.count("xla.gpu.triton") == 1, "expected one kernel for both weights"
