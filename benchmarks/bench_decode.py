@@ -226,8 +226,9 @@ def _xla_core_step(acts, params, kw, l2_eps, state):
 
 
 def bench_conv(cfg, params, batches, n, reps, records, meta):
-    """conv_decode alone: the conv state is the carry (read and written each step)."""
-    from pallas_kernels.conv import conv_decode
+    """conv_decode alone: the conv state is the carry (read and written each step); pallas at
+    the default tiling and a few others (block_heads x num_warps), and xla."""
+    from pallas_kernels.conv import ConvBlockSizes, conv_decode
 
     kw = dict(qk_channels=cfg.qk_channels, head_dim=cfg.head_dim, l2_eps=cfg.l2_eps)
     for b in batches:
@@ -236,7 +237,19 @@ def bench_conv(cfg, params, batches, n, reps, records, meta):
         conv0 = random_state(cfg, b, key).conv
         # raw inputs (bf16) and q|k|v out (fp32) once, the conv state read and written.
         floor = (qkv.size * 2 + qkv.size * 4 + 2 * conv0.size * 4) / BANDWIDTH * 1e6
-        for backend, fn in (("pallas", conv_decode), ("xla", ref.conv_decode_reference)):
+        groups = cfg.conv_dim // cfg.head_dim
+        default = ConvBlockSizes.default_for(b, 1, groups, cfg.head_dim)
+        variants = [("pallas", conv_decode)] + [
+            (
+                f"pallas[heads={hb},warps={nw}]",
+                functools.partial(
+                    conv_decode, block_sizes=ConvBlockSizes(block_heads=hb, num_warps=nw)
+                ),
+            )
+            for hb, nw in ((1, 1), (1, 4), (2, 4), (4, 4), (8, 8))
+            if (hb, nw) != (default.block_heads, default.num_warps)
+        ]
+        for backend, fn in [*variants, ("xla", ref.conv_decode_reference)]:
 
             def step(state, fn=fn, qkv=qkv):
                 return fn(qkv, state, params.conv_w, **kw)[1][:, -1]
@@ -258,7 +271,7 @@ def main():
     reps = 3 if args.quick else 7
     records = common.Records(args.out)
     bench_core(cfg, batches, 16 if args.quick else 64, reps, records, meta)
-    bench_block(cfg, params, batches, 8 if args.quick else 32, reps, records, meta)
+    bench_block(cfg, params, batches, 64, reps, records, meta)
     bench_conv(cfg, params, batches, 16 if args.quick else 64, reps, records, meta)
     print(
         f"\n{'bench':<12}{'shape':<34}{'backend':<22}{'time_us':>9}{'floor_us':>9}"

@@ -48,11 +48,9 @@ def _front(st: backends.Stages, params: KdaParams, cfg: KdaConfig, x: jax.Array)
     return shape(qkv), shape(f), shape(b), shape(z)
 
 
-def _split_heads(cfg: KdaConfig, conv_out: jax.Array):
-    """conv_out [B, R, 3P] -> q, k, v [B, R, H, K]."""
-    shape = (*conv_out.shape[:-1], cfg.heads, cfg.head_dim)
-    p = cfg.qkv_dim
-    return tuple(conv_out[..., i * p : (i + 1) * p].reshape(shape) for i in range(3))
+def _heads(cfg: KdaConfig, a: jax.Array) -> jax.Array:
+    """[..., P] -> [..., H, K] (a free reshape)."""
+    return a.reshape(*a.shape[:-1], cfg.heads, cfg.head_dim)
 
 
 def _rows(params, cfg, x, state, backend, snapshots, return_stages):
@@ -61,15 +59,16 @@ def _rows(params, cfg, x, state, backend, snapshots, return_stages):
     b_, r, _ = x.shape
     state.check(cfg, b_)
     qkv, f, b, z = _front(st, params, cfg, x)
-    conv_out, conv_states = st.conv_decode(
+    qkv_out, conv_states = st.conv_decode(
         qkv,
         state.conv,
         params.conv_w,
         qk_channels=cfg.qk_channels,
         head_dim=cfg.head_dim,
         l2_eps=cfg.l2_eps,
+        splits=(cfg.qkv_dim,) * 3,  # q, k, v written apart by the kernel: no slice copies
     )
-    q, k, v = _split_heads(cfg, conv_out)
+    q, k, v = (_heads(cfg, a) for a in qkv_out)
     y, rec, rec_snaps = st.decode_core(
         q,
         k,
@@ -199,7 +198,8 @@ def prefill(
         head_dim=cfg.head_dim,
         l2_eps=cfg.l2_eps,
     )
-    q, k, v = _split_heads(cfg, conv_out)
+    p = cfg.qkv_dim
+    q, k, v = (_heads(cfg, conv_out[..., i * p : (i + 1) * p]) for i in range(3))
     y, rec = st.prefill_core(
         q,
         k,

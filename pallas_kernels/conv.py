@@ -77,19 +77,30 @@ def _qk_mask(block_heads: int, qk_groups: int):
     return group < qk_groups
 
 
-def _conv_decode_kernel(x_ref, state_ref, *refs, rows, width, qk_groups, l2_eps):
-    """x_ref: [R, HB, K]; state_ref: [W-1, HB, K]; refs: W tap refs [HB, K], then
-    out_ref [R, HB, K] and states_ref [R, W-1, HB, K]."""
-    tap_refs, (out_ref, states_ref) = refs[:width], refs[width:]
+def _conv_decode_kernel(x_ref, state_ref, *refs, rows, width, qk_groups, l2_eps, tiles):
+    """x_ref: [R, HB, K]; state_ref: [W-1, HB, K]; refs: W tap refs [HB, K], then one out ref
+    [R, HB, K] per output segment, then states_ref [R, W-1, HB, K]. `tiles`: the first channel
+    tile of each segment and the end (this program's segment is where its tile falls; the other
+    segments' refs point at a clamped tile and are not written)."""
+    tap_refs, out_refs, states_ref = refs[:width], refs[width:-1], refs[-1]
     taps = [r[...].astype(f32) for r in tap_refs]
+    j = pl.program_id(1)  # read here: interpret mode cannot see program_id inside pl.when
     qk_mask = _qk_mask(x_ref.shape[1], qk_groups)
-    window = [state_ref[j].astype(f32) for j in range(width - 1)]
+    window = [state_ref[i].astype(f32) for i in range(width - 1)]
     for r in range(rows):
         x_row = x_ref[r].astype(f32)
-        out_ref[r] = _conv_row(window, x_row, taps, qk_mask, l2_eps)
+        y = _conv_row(window, x_row, taps, qk_mask, l2_eps)
+        if len(out_refs) == 1:
+            out_refs[0][r] = y
+        for s, out_ref in enumerate(out_refs if len(out_refs) > 1 else ()):
+
+            def store(out_ref=out_ref, r=r, y=y):
+                out_ref[r] = y
+
+            pl.when((j >= tiles[s]) & (j < tiles[s + 1]))(store)
         window = window[1:] + [x_row]
-        for j in range(width - 1):
-            states_ref[r, j] = window[j]
+        for i in range(width - 1):
+            states_ref[r, i] = window[i]
 
 
 def _tap_specs(width: int, hb: int, k: int, index_of_group):
@@ -125,7 +136,9 @@ def conv_decode(
     qk_channels: int,
     head_dim: int,
     l2_eps: float,
-) -> tuple[jax.Array, jax.Array]:
+    splits: tuple[int, ...] | None = None,
+    block_sizes: ConvBlockSizes | None = None,
+):
     """Conv step for R new rows per sequence; the kernel of `reference.conv_decode_reference`.
 
     Args:
@@ -135,23 +148,53 @@ def conv_decode(
       qk_channels: the leading channels (q|k) to L2-normalise per head.
       head_dim: K, the L2 group size.
       l2_eps: added to the sum of squares before rsqrt.
+      splits: channel widths summing to C (e.g. q, k, v): `out` comes back as that many arrays,
+        each written by the kernel (no slice copies); each must be a multiple of the kernel's
+        channel tile (whole heads: the block's P = H * K always is).
+      block_sizes: tiling (default `ConvBlockSizes.default_for(B, 1, C/K, K)`); it must not
+        depend on R when R-row calls must equal serial calls.
     Returns:
-      out: [B, R, C] fp32, SiLU(conv) with q and k L2-normalised per head.
+      out: [B, R, C] fp32, SiLU(conv) with q and k L2-normalised per head; with `splits`, a
+        tuple of [B, R, c_s].
       states: [B, R, W-1, C] fp32, the conv state after each row (states[:, -1] is the new one).
     """
     _check(x, conv_state, w, qk_channels, head_dim, "conv_decode")
     b, r, c = x.shape
     width, k = w.shape[1], head_dim
     groups = c // k
-    blk = ConvBlockSizes.default_for(b, 1, groups, k)
+    blk = block_sizes or ConvBlockSizes.default_for(b, 1, groups, k)
     hb = blk.block_heads
+    if groups % hb:
+        raise ValueError(f"conv_decode: block_heads={hb} must divide the {groups} head groups")
+    widths = (c,) if splits is None else tuple(int(v) for v in splits)
+    lanes = hb * k
+    if sum(widths) != c or any(v <= 0 or v % lanes for v in widths):
+        raise ValueError(
+            f"conv_decode: splits={splits}: expected positive multiples of the {lanes}-channel "
+            f"tile summing to C={c}"
+        )
+    tiles = [0]
+    for v in widths:
+        tiles.append(tiles[-1] + v // lanes)
     kernel = functools.partial(
-        _conv_decode_kernel, rows=r, width=width, qk_groups=qk_channels // k, l2_eps=l2_eps
+        _conv_decode_kernel,
+        rows=r,
+        width=width,
+        qk_groups=qk_channels // k,
+        l2_eps=l2_eps,
+        tiles=tuple(tiles),
     )
-    out, states = pl.pallas_call(
+
+    def out_spec(s):
+        lo, hi = tiles[s], tiles[s + 1]
+        return pl.BlockSpec(
+            (None, r, hb, k), lambda i, j: (i, 0, jnp.clip(j - lo, 0, hi - lo - 1), 0)
+        )
+
+    *outs, states = pl.pallas_call(
         kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((b, r, groups, k), f32),
+            *(jax.ShapeDtypeStruct((b, r, v // k, k), f32) for v in widths),
             jax.ShapeDtypeStruct((b, r, width - 1, groups, k), f32),
         ),
         grid=(b, groups // hb),
@@ -161,7 +204,7 @@ def conv_decode(
             *_tap_specs(width, hb, k, lambda i, j: j),
         ],
         out_specs=(
-            pl.BlockSpec((None, r, hb, k), lambda i, j: (i, 0, j, 0)),
+            *(out_spec(s) for s in range(len(widths))),
             pl.BlockSpec((None, r, width - 1, hb, k), lambda i, j: (i, 0, 0, j, 0)),
         ),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),
@@ -172,7 +215,8 @@ def conv_decode(
         conv_state.reshape(b, width - 1, groups, k),
         *([w.reshape(groups, k, width)] * width),
     )
-    return out.reshape(b, r, c), states.reshape(b, r, width - 1, c)
+    outs = tuple(o.reshape(b, r, o.shape[2] * k) for o in outs)
+    return (outs[0] if splits is None else outs), states.reshape(b, r, width - 1, c)
 
 
 def _conv_prefill_kernel(

@@ -49,14 +49,17 @@ def gemv_reference(x: jax.Array, w: jax.Array, *, out_dtype=None, splits=None):
         preferred_element_type=f32,
         precision=lax.Precision.HIGHEST,
     ).astype(out_dtype or w.dtype)
-    if splits is None:
-        return y
-    if sum(splits) != w.shape[0]:
-        raise ValueError(f"splits={tuple(splits)}: expected widths summing to N={w.shape[0]}")
+    return y if splits is None else split_last(y, splits)
+
+
+def split_last(y: jax.Array, splits) -> tuple[jax.Array, ...]:
+    """y's last axis cut into consecutive blocks of the given widths (which must sum to it)."""
+    if sum(splits) != y.shape[-1] or min(splits) < 1:
+        raise ValueError(f"splits={tuple(splits)}: expected widths summing to {y.shape[-1]}")
     bounds = [0]
     for v in splits:
         bounds.append(bounds[-1] + v)
-    return tuple(y[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True))
+    return tuple(y[..., lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def proj_many_reference(xs, ws, *, out_dtype=None) -> tuple[jax.Array, ...]:
@@ -90,15 +93,18 @@ def conv_decode_reference(
     qk_channels: int,
     head_dim: int,
     l2_eps: float,
-) -> tuple[jax.Array, jax.Array]:
+    splits: tuple[int, ...] | None = None,
+):
     """Conv step for R new rows per sequence, from the carried conv state.
 
     Args:
       x: [B, R, C] raw (pre-conv) q|k|v rows, any float dtype.
       conv_state: [B, W-1, C] fp32, the last W-1 raw inputs, oldest first.
       w: [C, W] fp32 taps; w[:, W-1] multiplies the current row.
+      splits: channel widths summing to C: return `out` as that many arrays (e.g. q, k, v).
     Returns:
-      out: [B, R, C] fp32, SiLU(conv) with q and k L2-normalised per head.
+      out: [B, R, C] fp32, SiLU(conv) with q and k L2-normalised per head; with `splits`, a
+        tuple of [B, R, c_s].
       states: [B, R, W-1, C] fp32, the conv state after each row (states[:, -1] is the new one).
     """
     wdt = w.shape[1]
@@ -108,7 +114,7 @@ def conv_decode_reference(
     windows = seq[:, idx]  # [B, R, W, C]
     out = _l2_qk(_conv_silu(windows, w), qk_channels=qk_channels, head_dim=head_dim, l2_eps=l2_eps)
     states = windows[:, :, 1:]
-    return out, states
+    return (out if splits is None else split_last(out, splits)), states
 
 
 def conv_prefill_reference(

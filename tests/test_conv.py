@@ -57,6 +57,28 @@ def test_conv_decode_rows_equal_serial_bits(rng):
         state = states_r[:, 0]
 
 
+@pytest.mark.parametrize("batch,rows", [(1, 1), (B, 3)])
+def test_conv_decode_splits_equal_unsplit_bits(rng, batch, rows):
+    """splits=(P, P, P): q, k, v written apart by the kernel, with the bits of the one-array
+    call's columns, and the reference's split (within fp32 rounding); bad splits are refused."""
+    kx, ks, kw = jax.random.split(rng, 3)
+    x = normal(kx, (batch, rows, C), jnp.bfloat16)
+    state = normal(ks, (batch, W - 1, C))
+    w = _taps(kw)
+    p = H * K
+    fn = jax.jit(lambda *a: conv_decode(*a, **KW, splits=(p, p, p)))
+    (q, k, v), states = fn(x, state, w)
+    whole, states1 = conv_decode(x, state, w, **KW)
+    parts_ref, _ = conv_decode_reference(x, state, w, **KW, splits=(p, p, p))
+    for i, (a, a_ref) in enumerate(zip((q, k, v), parts_ref, strict=True)):
+        assert a.shape == (batch, rows, p), a.shape
+        np.testing.assert_array_equal(a, whole[..., i * p : (i + 1) * p])
+        assert_close(a, a_ref, FP32_TOL, f"conv_decode split {i}")
+    np.testing.assert_array_equal(states, states1)
+    with pytest.raises(ValueError, match="summing to C"):
+        conv_decode(x, state, w, **KW, splits=(p, p))
+
+
 @pytest.mark.parametrize("pad_value", [np.nan, 1e30])
 def test_conv_prefill_matches_reference_with_poisoned_pad(rng, pad_value):
     """Carried state, lengths below W-1, 0 and T; pad positions hold NaN or 1e30."""
@@ -138,11 +160,12 @@ KIMI = dict(qk_channels=2 * 4096, head_dim=128, l2_eps=L2_EPS)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_conv_decode_lowers_for_h200(rows):
+@pytest.mark.parametrize("splits", [None, (4096,) * 3])
+def test_conv_decode_lowers_for_h200(rows, splits):
     x = jnp.ones((2, rows, 12288), jnp.bfloat16)
     state, w = jnp.ones((2, 3, 12288)), jnp.ones((12288, 4))
-    text = lower_for_h200(lambda *a: conv_decode(*a, **KIMI), x, state, w)
-    assert "kda_conv_decode" in text
+    text = lower_for_h200(lambda *a: conv_decode(*a, **KIMI, splits=splits), x, state, w)
+    assert text.count("kda_conv_decode") >= 1 and text.count("xla.gpu.triton") == 1
 
 
 def test_conv_prefill_lowers_for_h200():
