@@ -1,9 +1,11 @@
 """Decode-path timings on one GPU: the whole block, the verify, and the decode core against FLA.
 
 Kimi-Linear geometry (`preset("kimi-linear-48b")`), bf16 weights from `init_params`, random
-non-zero states. Every JAX figure is the median, over repetitions, of one jitted `fori_loop` of
-`n` dependent steps (the state, donated, is the loop carry; the block's output feeds the next
-step's input so nothing is loop-invariant), divided by `n`.
+non-zero states. Every JAX figure is per step of a jitted `fori_loop` of dependent steps (the
+state, donated, is the loop carry; the block's output feeds the next step's input so nothing is
+loop-invariant), taken differentially: (T(3n) - T(n)) / 2n over the medians of repeated calls,
+so the fixed cost of each call (dispatch, donation, sync: 0.2-0.4 ms) is not spread over the
+steps (`common.time_loop`); FLA's per-call figure is a CUDA-graph replay, which has no such cost.
 
 Cases:
 - `decode`: `kda_jax.forward.decode` at B = 1, 8, 64, backends pallas and xla. Floor: the
@@ -89,7 +91,7 @@ def bench_block(cfg, params, batches, n, reps, records, meta):
             key = jax.random.key(b)
             x = jax.random.normal(key, (b, cfg.hidden), jnp.float32).astype(params.dtype)
             run = functools.partial(
-                common.time_loop,
+                functools.partial(common.time_loop, differential=True),
                 _decode_step(params, cfg, backend),
                 (x, random_state(cfg, b, key)),
                 n,
@@ -107,7 +109,11 @@ def bench_block(cfg, params, batches, n, reps, records, meta):
         key = jax.random.key(100 + k)
         x = jax.random.normal(key, (b, k, cfg.hidden), jnp.float32).astype(params.dtype)
         run = functools.partial(
-            common.time_loop, _decode_k_step(params, cfg), (x, random_state(cfg, b, key)), n, reps
+            functools.partial(common.time_loop, differential=True),
+            _decode_k_step(params, cfg),
+            (x, random_state(cfg, b, key)),
+            n,
+            reps,
         )
         # The state is read once and written k times (the snapshots).
         floor = (cfg.weight_bytes() + (1 + k) * b * cfg.state_bytes()) / BANDWIDTH * 1e6
@@ -203,10 +209,10 @@ def bench_core(cfg, batches, n, reps, records, meta):
         ]
         for name, block in variants:
             step = functools.partial(_pallas_core_step, acts, params, kw, cfg.l2_eps, block)
-            run = functools.partial(common.time_loop, step, state + 0.0, n, reps)
+            run = functools.partial(common.time_loop, step, state + 0.0, n, reps, differential=True)
             common.run_case(records, meta, "decode_core", shape, name, run, floor, fla, FLA_NAME)
         step = functools.partial(_xla_core_step, acts, params, kw, cfg.l2_eps)
-        run = functools.partial(common.time_loop, step, state + 0.0, n, reps)
+        run = functools.partial(common.time_loop, step, state + 0.0, n, reps, differential=True)
         common.run_case(records, meta, "decode_core", shape, "xla", run, floor, fla, FLA_NAME)
 
 
@@ -238,7 +244,7 @@ def bench_conv(cfg, params, batches, n, reps, records, meta):
         # raw inputs (bf16) and q|k|v out (fp32) once, the conv state read and written.
         floor = (qkv.size * 2 + qkv.size * 4 + 2 * conv0.size * 4) / BANDWIDTH * 1e6
         groups = cfg.conv_dim // cfg.head_dim
-        default = ConvBlockSizes.default_for(b, 1, groups, cfg.head_dim)
+        default = ConvBlockSizes.default_for(1, groups, cfg.head_dim)
         variants = [("pallas", conv_decode)] + [
             (
                 f"pallas[heads={hb},warps={nw}]",
@@ -254,7 +260,7 @@ def bench_conv(cfg, params, batches, n, reps, records, meta):
             def step(state, fn=fn, qkv=qkv):
                 return fn(qkv, state, params.conv_w, **kw)[1][:, -1]
 
-            run = functools.partial(common.time_loop, step, conv0 + 0.0, n, reps)
+            run = functools.partial(common.time_loop, step, conv0 + 0.0, n, reps, differential=True)
             shape = f"B={b},R=1,C={cfg.conv_dim}"
             common.run_case(records, meta, "conv_decode", shape, backend, run, floor, None, "")
 

@@ -100,26 +100,38 @@ def cuda_graph_us(call, reps: int, calls: int = 20) -> float:
     return statistics.median(times)
 
 
-def time_loop(step, carry, n: int, reps: int, unroll: int | bool = 1) -> float:
+def time_loop(step, carry, n: int, reps: int, unroll: int | bool = 1, differential=False) -> float:
     """Median us per step of `carry = step(carry)` run n times in one jitted `fori_loop` (carry
     donated), after a compile and a warm-up call. `unroll=True` writes the n steps out as
-    straight-line code (on the H200 that measured slower than the rolled loop: NOTES.md)."""
+    straight-line code (on the H200 that measured slower than the rolled loop: NOTES.md).
+
+    differential: also time a loop of 3n steps and return (T(3n) - T(n)) / 2n, which cancels
+    what every call costs once (dispatch, donation, the final sync: ~0.2-0.4 ms on the H200,
+    10+ us per step of a 16-step loop); for steps of a few to tens of us (decode)."""
     import statistics
     import time
 
     from jax import lax
 
-    loop = jax.jit(
-        lambda c: lax.fori_loop(0, n, lambda i, c: step(c), c, unroll=unroll), donate_argnums=0
-    )
-    for _ in range(2):
-        carry = jax.block_until_ready(loop(carry))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        carry = jax.block_until_ready(loop(carry))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / n * 1e6
+    def per_call(steps, carry):
+        loop = jax.jit(
+            lambda c: lax.fori_loop(0, steps, lambda i, c: step(c), c, unroll=unroll),
+            donate_argnums=0,
+        )
+        for _ in range(2):
+            carry = jax.block_until_ready(loop(carry))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            carry = jax.block_until_ready(loop(carry))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times), carry
+
+    t1, carry = per_call(n, carry)
+    if not differential:
+        return t1 / n * 1e6
+    t3, _ = per_call(3 * n, carry)
+    return (t3 - t1) / (2 * n) * 1e6
 
 
 def run_case(records, meta, bench, shape, backend, run, floor, base_us, base_name, **extra):
