@@ -204,7 +204,7 @@ def bench_core(cfg, batches, n, reps, records, meta):
         default = RecurrentBlockSizes.default_for(b, h, kd, kd)
         variants = [(f"pallas[block_v={default.block_v}]", default)] + [
             (f"pallas[block_v={bv}]", RecurrentBlockSizes.with_block_v(kd, bv))
-            for bv in (kd, kd // 2, kd // 4)
+            for bv in (kd, kd // 2, kd // 4, kd // 8)
             if bv != default.block_v
         ]
         for name, block in variants:

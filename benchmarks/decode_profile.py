@@ -6,7 +6,8 @@ runs once under torch.profiler, which records every kernel of the process throug
 included; the Chrome trace is read back and its kernels grouped by name. Per case it prints and
 records: kernels per step, the sum of their device times per step ("busy"), the device span
 from the first kernel's start to the last one's end per step ("span"), and the loop's wall time
-per step measured without the profiler ("wall"). wall - busy is what launches and gaps cost.
+per step measured without the profiler, differentially as bench_decode.py does ("wall").
+span - busy is the gaps between kernels; wall - span what the host adds per step.
 
     python benchmarks/decode_profile.py --out PATH [--n 20]
 
@@ -65,7 +66,7 @@ def profile_case(step, carry, n: int) -> dict:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
         kernels = _kernels(path)
-    wall = common.time_loop(step, carry, n, 5)
+    wall = common.time_loop(step, carry, n, 5, differential=True)
     by_name = collections.defaultdict(list)
     for name, _, dur in kernels:
         by_name[name].append(dur)

@@ -191,6 +191,16 @@ def conv_decode(
             (None, r, hb, k), lambda i, j: (i, 0, jnp.clip(j - lo, 0, hi - lo - 1), 0)
         )
 
+    # One row: the new state has the shape of the old one, so it is written in place (each
+    # program reads its tile of the state before writing the same tile), which spares the
+    # caller's loop a copy of the state.
+    one_row = r == 1
+    state_in = conv_state.reshape(b, *((1,) if one_row else ()), width - 1, groups, k)
+    state_spec = (
+        pl.BlockSpec((None, None, width - 1, hb, k), lambda i, j: (i, 0, 0, j, 0))
+        if one_row
+        else pl.BlockSpec((None, width - 1, hb, k), lambda i, j: (i, 0, j, 0))
+    )
     *outs, states = pl.pallas_call(
         kernel,
         out_shape=(
@@ -200,7 +210,7 @@ def conv_decode(
         grid=(b, groups // hb),
         in_specs=[
             pl.BlockSpec((None, r, hb, k), lambda i, j: (i, 0, j, 0)),
-            pl.BlockSpec((None, width - 1, hb, k), lambda i, j: (i, 0, j, 0)),
+            state_spec,
             *_tap_specs(width, hb, k, lambda i, j: j),
         ],
         out_specs=(
@@ -208,13 +218,10 @@ def conv_decode(
             pl.BlockSpec((None, r, width - 1, hb, k), lambda i, j: (i, 0, 0, j, 0)),
         ),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),
+        input_output_aliases={1: len(widths)} if one_row else {},
         name="kda_conv_decode",
         interpret=common.interpret(),
-    )(
-        x.reshape(b, r, groups, k),
-        conv_state.reshape(b, width - 1, groups, k),
-        *([w.reshape(groups, k, width)] * width),
-    )
+    )(x.reshape(b, r, groups, k), state_in, *([w.reshape(groups, k, width)] * width))
     outs = tuple(o.reshape(b, r, o.shape[2] * k) for o in outs)
     return (outs[0] if splits is None else outs), states.reshape(b, r, width - 1, c)
 
