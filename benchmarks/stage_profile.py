@@ -3,8 +3,9 @@ the whole core (chunk_kda) against FLA 0.6.0 chunk_kda in the same job, chunk_pr
 chunk_scan alone over the block sizes given, and with --fla FLA's kernels one by one
 (torch.profiler).
 
-    python benchmarks/stage_profile.py --out PATH [--t T] [--fla] [--configs 16x4,32x4]
-                                       [--scan-configs 32x4x2,64x4x2]
+    python benchmarks/stage_profile.py --out PATH [--t T] [--fla] [--gates bounded,unbounded]
+                                       [--configs 16x4,16x4+mask,16x4+split]
+                                       [--scan-configs 32x4x2,64x4x2 | none]
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ def main():
     parser.add_argument("--fla", action="store_true", help="also list FLA's kernels")
     parser.add_argument(
         "--configs",
-        type=lambda x: [tuple(int(v) for v in c.split("x")) for c in x.split(",")],
-        default=[(16, 4)],
-        help="chunk_prepare block_k x num_warps list, e.g. 16x4,32x4",
+        type=lambda x: x.split(","),
+        default=["16x4"],
+        help="chunk_prepare block_k x num_warps [+mask] [+split] list (PrepareBlockSizes "
+        "mask_rows, split_wu), e.g. 16x4,16x4+mask,16x4+mask+split",
     )
     parser.add_argument(
         "--scan-configs",
@@ -123,8 +125,16 @@ def main():
         )
         kw = dict(scale=kd**-0.5, chunk=64, lower_bound=lb, mm_dtype=jnp.bfloat16, l2_eps=L2_EPS)
         shape = f"B={b},T={t},H={h},gate={gate}"
-        for bk, warps in args.configs:
-            blk = PrepareBlockSizes(sub=16, block_k=bk, num_warps=warps)
+        for config in args.configs:
+            sizes, *flags = config.split("+")
+            bk, warps = (int(n) for n in sizes.split("x"))
+            blk = PrepareBlockSizes(
+                sub=16,
+                block_k=bk,
+                num_warps=warps,
+                mask_rows="mask" in flags,
+                split_wu="split" in flags,
+            )
 
             def prep_step(state, blk=blk, kw=kw):
                 inter = _chunk_prepare(
@@ -138,7 +148,7 @@ def main():
                 meta,
                 "chunk_prepare",
                 shape,
-                f"block_k={bk},warps={warps}",
+                config,
                 run,
                 0.0,
                 None,
