@@ -105,7 +105,7 @@ class PrepareBlockSizes:
     num_warps: int = 4
     diag_warps: int = 4
     mask_rows: bool = False
-    split_wu: bool = False
+    split_wu: bool = True
 
 
 def _rows_and_cols(n: int):
