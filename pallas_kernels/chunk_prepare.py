@@ -19,9 +19,10 @@ Structure (registers decide the speed here: the first version held the [C, K] ch
   2. Scores one sub-block of rows at a time: [sub, C] accumulators summed over the column
      slices (loops, not unrolled), stored as rows of A and, for L, into the scratch.
   3. T = (I + L)^-1 from the scratch's [sub, sub] blocks, stored back into the scratch.
-  4. w and u as whole-chunk products T @ (beta k exp(G)) and T @ (beta v), slice by slice.
-Variants for timing against this (`PrepareBlockSizes.mask_rows`, `.split_wu`, both off by
-default): masked k/G row loads in phase 2, and phase 4 in a kernel of its own (`kda_chunk_wu`).
+  4. In a second kernel (`kda_chunk_wu`, 48 registers against the first one's 128-138, so each
+     has its own occupancy: H200, 2026-12-01, 1450 -> 966 us for the bounded gate at B=1,
+     T=8192), w and u as whole-chunk products T @ (beta k exp(G)) and T @ (beta v), slice by
+     slice, from T, G and the row scales left in the first kernel's scratch.
 Between the phases a barrier (`plt.debug_barrier`, __syncthreads) orders the scratch's stores
 before other threads of the same program load them; interpret mode runs in order without one.
 
@@ -89,23 +90,12 @@ class PrepareBlockSizes:
         than 32 on the bounded gate; ptxas: 144 against 186 registers).
       num_warps: Triton warps per program (8 measured slower than 4).
       diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel.
-      mask_rows: variant of the score phase (False: today's kernel). Sub-block b only needs the
-        chunk's k and G rows before its last column (the rest get weight exp(-inf) = 0), so their
-        loads are masked to those rows (ptxas: same registers as the default). Computing the
-        fused L2 norms once instead of per sub-block (kept in the scratch, or folded into the
-        score loop) was tried and dropped: ptxas gave 182 registers against 144 (bounded gate).
-      split_wu: variant moving phase 4 (w, u from T) into a kernel of its own, `kda_chunk_wu`
-        (one program per (sequence, chunk, head)), which reads T, the row scales beta / ||k||
-        and beta, and G from the prepare kernel's scratch outputs: each kernel gets its own
-        register count (False: today's single kernel).
     """
 
     sub: int = 16
     block_k: int = 16
     num_warps: int = 4
     diag_warps: int = 4
-    mask_rows: bool = False
-    split_wu: bool = True
 
 
 def _rows_and_cols(n: int):
@@ -152,13 +142,6 @@ def _apply_t(t_full, out_ref, part, block_k: int):
         return carry
 
     lax.fori_loop(0, out_ref.shape[1] // block_k, body, 0)
-
-
-def _load_t(t_ref, rows_cc, cols_cc, *, sub: int):
-    """T [C, C] fp32 from the scratch's columns C..2C (rows_cc, cols_cc: [C, C] iotas); blocks
-    above the diagonal are never written (loaded as 0)."""
-    c = t_ref.shape[0]
-    return plt.load(t_ref.at[:, pl.ds(c, c)], mask=rows_cc // sub >= cols_cc // sub, other=0.0)
 
 
 def _diag_pairwise_kernel(
@@ -216,8 +199,6 @@ def _chunk_prepare_kernel(
     diag_l_ref,
     qg_ref,
     kg_ref,
-    w_ref,
-    u_ref,
     a_ref,
     gl_ref,
     l_scr_ref,
@@ -228,18 +209,16 @@ def _chunk_prepare_kernel(
     l2_eps: float | None,
     sub: int,
     block_k: int,
-    mask_rows: bool,
-    split_wu: bool,
 ):
     """One (sequence, chunk, head).
 
     len_ref: [Bp] int32; q_ref, k_ref, f_ref: [C, K]; v_ref: [C, V]; b_ref: [C]; ea_ref (exp A_log
     broadcast over K), dt_ref: [K]; diag_a_ref, diag_l_ref: [C, sub] fp32, the diagonal blocks'
     pairwise scores from `_diag_pairwise_kernel` (unbounded gate; unused otherwise).
-    Outputs: qg_ref, kg_ref, w_ref: [C, K]; u_ref: [C, V]; a_ref: [C, C]; gl_ref: [1, K].
-    Scratch outputs, private to this program (fp32): l_scr_ref [C, 2C] holds L then T,
-    g_scr_ref [C, K] holds G. With split_wu, w_ref and u_ref are None, and columns 0, 1 of
-    l_scr_ref hold beta/||k|| and beta at the end (for `_chunk_wu_kernel`).
+    Outputs: qg_ref, kg_ref: [C, K]; a_ref: [C, C]; gl_ref: [1, K]. Scratch outputs, private to
+    this program until `_chunk_wu_kernel` reads them (fp32): l_scr_ref [C, 2C] holds L then T
+    (columns C..2C) and, at the end, beta/||k|| and beta in columns 0 and 1; g_scr_ref [C, K]
+    holds G.
     """
     c, kd = q_ref.shape
     nb, bk = c // sub, block_k
@@ -247,7 +226,6 @@ def _chunk_prepare_kernel(
     length = len_ref[seq]
     row = lax.broadcasted_iota(jnp.int32, (c, 1), 0)
     valid = chunk_idx * c + row < length  # [C, 1]
-    rows_cc, cols_cc = _rows_and_cols(c)
     pairwise = _needs_pairwise(lower_bound, sub)
 
     def over_slices(n_cols, body, carry):
@@ -325,14 +303,8 @@ def _chunk_prepare_kernel(
             if last_col:
                 g_r = g_scr_ref[pl.ds(blk * sub, 1), cols]
                 to_r = jnp.exp(g_scr_ref[rows, cols] - g_r)
-                if mask_rows:  # rows >= last_col get weight exp(-inf) = 0: skip their loads
-                    causal = row < last_col
-                    g_col = plt.load(g_scr_ref.at[:, cols], mask=causal, other=0.0)
-                    from_r = jnp.where(causal, g_r - g_col, -jnp.inf)
-                    k_col = load(k_ref, cols, ok=valid & causal) * rk * jnp.exp(from_r)
-                else:
-                    from_r = jnp.where(row < last_col, g_r - g_scr_ref[:, cols], -jnp.inf)
-                    k_col = load(k_ref, cols) * rk * jnp.exp(from_r)
+                from_r = jnp.where(row < last_col, g_r - g_scr_ref[:, cols], -jnp.inf)
+                k_col = load(k_ref, cols) * rk * jnp.exp(from_r)
                 acc_a += _dot_nt(q_b * to_r, k_col)
                 acc_l += _dot_nt(k_b * to_r, k_col)
             return acc_a, acc_l
@@ -375,18 +347,14 @@ def _chunk_prepare_kernel(
             l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + j * sub, sub)] = t_ij
         barrier()
 
-    # 4. w = T (beta k exp(G)) and u = T (beta v), whole-chunk products slice by slice.
-    if split_wu:  # in `_chunk_wu_kernel`; L is dead by now (fenced): its columns 0, 1 hand over
-        l_scr_ref[:, pl.ds(0, 1)] = beta * rk  # the row scales of w and u
-        l_scr_ref[:, pl.ds(1, 1)] = beta
-        return
-    t_full = _load_t(l_scr_ref, rows_cc, cols_cc, sub=sub)
-    _apply_t(t_full, w_ref, lambda cols: beta * load(k_ref, cols) * rk * jnp.exp(decay(cols)), bk)
-    _apply_t(t_full, u_ref, lambda cols: beta * load(v_ref, cols), bk)
+    # 4. w and u are `_chunk_wu_kernel`'s; L is dead by now (fenced): its columns 0 and 1 hand
+    # over the row scales of w and u.
+    l_scr_ref[:, pl.ds(0, 1)] = beta * rk
+    l_scr_ref[:, pl.ds(1, 1)] = beta
 
 
 def _chunk_wu_kernel(len_ref, k_ref, v_ref, t_ref, g_ref, w_ref, u_ref, *, sub, block_k):
-    """Phase 4 of `_chunk_prepare_kernel` on its own (split_wu): one (sequence, chunk, head).
+    """Phase 4 of the prepare stage: one (sequence, chunk, head).
 
     len_ref: [Bp] int32; k_ref: [C, K]; v_ref: [C, V]; t_ref: [C, 2C] fp32, the prepare
     kernel's scratch (T in columns C..2C, beta/||k|| and beta in columns 0 and 1); g_ref: [C, K]
@@ -399,7 +367,9 @@ def _chunk_wu_kernel(len_ref, k_ref, v_ref, t_ref, g_ref, w_ref, u_ref, *, sub, 
     def load(ref, cols):  # 0 at pads and past T (whatever the pads hold)
         return plt.load(ref.at[:, cols], mask=valid, other=0.0).astype(f32)
 
-    t_full = _load_t(t_ref, *_rows_and_cols(c), sub=sub)
+    rows_cc, cols_cc = _rows_and_cols(c)
+    # T from the scratch's columns C..2C; blocks above the diagonal are never written (0).
+    t_full = plt.load(t_ref.at[:, pl.ds(c, c)], mask=rows_cc // sub >= cols_cc // sub, other=0.0)
     w_scale, u_scale = t_ref[:, pl.ds(0, 1)], t_ref[:, pl.ds(1, 1)]
     _apply_t(
         t_full, w_ref, lambda cols: w_scale * load(k_ref, cols) * jnp.exp(g_ref[:, cols]), block_k
@@ -553,8 +523,6 @@ def _chunk_prepare(
         l2_eps=l2_eps,
         sub=sub,
         block_k=blk.block_k,
-        mask_rows=blk.mask_rows,
-        split_wu=blk.split_wu,
     )
     # The last two outputs are the kernel's scratch: L then T, and G.
     scr_shape = (
@@ -562,13 +530,7 @@ def _chunk_prepare(
         jax.ShapeDtypeStruct((bsz, h, tp, kd), f32),
     )
     scr_specs = (inter(2 * chunk), inter(kd))
-    moved = ("w", "u") if blk.split_wu else ()  # outputs of `kda_chunk_wu` instead
-    kept = [name for name in ChunkIntermediates._fields if name not in moved]
-    if blk.split_wu:  # the kernel takes None for w_ref, u_ref (after 10 inputs, qg and kg)
-
-        def kernel(*refs, body=kernel):
-            return body(*refs[:12], None, None, *refs[12:])
-
+    kept = [name for name in ChunkIntermediates._fields if name not in ("w", "u")]
     res = pl.pallas_call(
         kernel,
         out_shape=(*(getattr(out_shape, n) for n in kept), *scr_shape),
@@ -591,20 +553,19 @@ def _chunk_prepare(
         interpret=common.interpret(),
     )(lens, q, k, v, f4, b, ea, dt, diag_a, diag_l)
     outs = dict(zip(kept, res[:-2], strict=True))
-    if blk.split_wu:
-        outs["w"], outs["u"] = pl.pallas_call(
-            functools.partial(_chunk_wu_kernel, sub=sub, block_k=blk.block_k),
-            out_shape=(out_shape.w, out_shape.u),
-            grid=(bsz, n, h),
-            in_specs=[
-                pl.BlockSpec((lens.shape[0],), lambda s, c, hh: (0,)),
-                tok(kd),
-                tok(vd),
-                *scr_specs,
-            ],
-            out_specs=(out_specs.w, out_specs.u),
-            compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),
-            name="kda_chunk_wu",
-            interpret=common.interpret(),
-        )(lens, k, v, *res[-2:])
+    outs["w"], outs["u"] = pl.pallas_call(
+        functools.partial(_chunk_wu_kernel, sub=sub, block_k=blk.block_k),
+        out_shape=(out_shape.w, out_shape.u),
+        grid=(bsz, n, h),
+        in_specs=[
+            pl.BlockSpec((lens.shape[0],), lambda s, c, hh: (0,)),
+            tok(kd),
+            tok(vd),
+            *scr_specs,
+        ],
+        out_specs=(out_specs.w, out_specs.u),
+        compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),
+        name="kda_chunk_wu",
+        interpret=common.interpret(),
+    )(lens, k, v, *res[-2:])
     return ChunkIntermediates(**outs)

@@ -35,11 +35,7 @@ from kda_jax import forward  # noqa: E402
 from kda_jax.config import preset  # noqa: E402
 from kda_jax.params import init_params  # noqa: E402
 from kda_jax.state import KdaState  # noqa: E402
-from pallas_kernels.chunk_prepare import (  # noqa: E402
-    ChunkIntermediates,
-    PrepareBlockSizes,
-    _chunk_prepare,
-)
+from pallas_kernels.chunk_prepare import ChunkIntermediates, chunk_prepare  # noqa: E402
 from pallas_kernels.chunk_scan import chunk_scan  # noqa: E402
 
 BF16 = jnp.bfloat16
@@ -47,15 +43,14 @@ BF16 = jnp.bfloat16
 B, T, H, K, C = 1, 128, 32, 128, 64
 
 
-def _prepare(lower_bound, **variant):
-    """chunk_prepare's kernels; `variant`: PrepareBlockSizes fields (none: the default)."""
+def _prepare(lower_bound):
     zeros = jnp.zeros((B, T, H, K), BF16)
 
     def fn(q, f, beta):
-        return _chunk_prepare(
+        return chunk_prepare(
             q, q, q, f, beta, jnp.full((B,), T, jnp.int32), jnp.zeros((H,)),
             jnp.zeros((H * K,)), scale=K**-0.5, chunk=C, lower_bound=lower_bound,
-            mm_dtype=BF16, l2_eps=1e-6, blk=PrepareBlockSizes(**variant),
+            mm_dtype=BF16, l2_eps=1e-6,
         )  # fmt: skip
 
     return fn, (zeros, jnp.zeros((B, T, H * K), BF16), jnp.zeros((B, T, H), BF16))
@@ -89,12 +84,6 @@ def _decode(batch):
 CASES = {
     "prepare-bounded": lambda: _prepare(-5.0),
     "prepare-unbounded": lambda: _prepare(None),
-    "prepare-bounded-mask": lambda: _prepare(-5.0, mask_rows=True),
-    "prepare-unbounded-mask": lambda: _prepare(None, mask_rows=True),
-    "prepare-bounded-split": lambda: _prepare(-5.0, split_wu=True),
-    "prepare-unbounded-split": lambda: _prepare(None, split_wu=True),
-    "prepare-bounded-both": lambda: _prepare(-5.0, mask_rows=True, split_wu=True),
-    "prepare-unbounded-both": lambda: _prepare(None, mask_rows=True, split_wu=True),
     "scan": _scan,
     "decode-b1": lambda: _decode(1),
     "decode-b64": lambda: _decode(64),

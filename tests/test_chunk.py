@@ -31,13 +31,6 @@ EPS = 1e-5
 FP32_TOL = TOL["fp32_gpu"] if ON_GPU else TOL["fp32_cpu"]
 # Interpret-mode sizes: 2 sequences, 2 heads of 32, T = 37 (not a chunk multiple).
 B, T, H, K = 2, 37, 2, 32
-# chunk_prepare's kernel variants (PrepareBlockSizes fields); each must equal the reference.
-VARIANTS = {
-    "default": {},
-    "mask_rows": dict(mask_rows=True),
-    "split_wu": dict(split_wu=True),
-    "both": dict(mask_rows=True, split_wu=True),
-}
 
 
 def _inputs(rng, *, b=B, t=T, h=H, kd=K, dtype=f32, decay="moderate", lengths=None, poison=True):
@@ -100,22 +93,17 @@ def _assert_finite(*xs):
 # ----------------------------------------------------------------------------------------------
 # chunk_prepare
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("variant", ["default", "mask_rows", "split_wu"])
 @pytest.mark.parametrize(
     "chunk, lower_bound",
     [(16, None), (16, -5.0), (32, -5.0), (64, None)],
     ids=["c16-unbounded", "c16-bounded", "c32-bounded", "c64-unbounded"],
 )
-def test_prepare_matches_reference(rng, chunk, lower_bound, variant):
+def test_prepare_matches_reference(rng, chunk, lower_bound):
     """fp32 intermediates: pairwise (unbounded) and factorised (bounded) diagonal sub-blocks,
-    off-diagonal sub-blocks (chunk >= 32), T and lengths off the chunk grid, NaN pads; the
-    default kernel through the public entry, each variant through its block sizes."""
+    off-diagonal sub-blocks (chunk >= 32), T and lengths off the chunk grid, NaN pads."""
     args = _prep_args(_inputs(rng))
     kw = dict(scale=K**-0.5, chunk=chunk, lower_bound=lower_bound, mm_dtype=f32)
-    if variant == "default":
-        got = chunk_prepare(*args, **kw)
-    else:
-        got = _chunk_prepare(*args, **kw, l2_eps=None, blk=PrepareBlockSizes(**VARIANTS[variant]))
+    got = chunk_prepare(*args, **kw)
     want = ChunkIntermediates(*ref.chunk_prepare_reference(*args, **kw))
     for name in ChunkIntermediates._fields:
         g, w = getattr(got, name), getattr(want, name)
@@ -143,14 +131,13 @@ def test_prepare_fused_l2(rng):
         assert_close(getattr(got, name), getattr(want, name), FP32_TOL, name)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
-def test_prepare_column_slices(rng, lower_bound, variant):
+def test_prepare_column_slices(rng, lower_bound):
     """K and V streamed in two slices (block_k=16 of 32) over four sub-blocks (chunk 64), with
-    the L2 norm fused: the scores summed slice by slice equal the reference, for each variant."""
+    the L2 norm fused: the scores summed slice by slice equal the reference."""
     q, k, v, f, beta, lengths, a_log, dt_bias = _prep_args(_inputs(rng))
     kw = dict(scale=K**-0.5, chunk=64, lower_bound=lower_bound, mm_dtype=f32)
-    blk = PrepareBlockSizes(sub=16, block_k=16, **VARIANTS[variant])
+    blk = PrepareBlockSizes(sub=16, block_k=16)
     got = _chunk_prepare(
         3.0 * q, 0.5 * k, v, f, beta, lengths, a_log, dt_bias, **kw, l2_eps=1e-6, blk=blk
     )
@@ -175,15 +162,14 @@ def test_prepare_rejects_bad_block_k(rng):
         )
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_prepare_strong_decay_is_finite_and_exact(rng, variant):
+def test_prepare_strong_decay_is_finite_and_exact(rng):
     """Unbounded gate with per-token log-decay down to about -50: no exp overflow anywhere."""
     inp = _inputs(rng, decay="strong")
     args = _prep_args(inp)
     g, _ = ref.gate_reference(args[3], args[4], args[6], args[7], head_dim=K, lower_bound=None)
     assert float(jnp.nanmin(g)) < -40.0, "the test must reach strong decay"
     kw = dict(scale=K**-0.5, chunk=64, lower_bound=None, mm_dtype=f32)
-    got = _chunk_prepare(*args, **kw, l2_eps=None, blk=PrepareBlockSizes(**VARIANTS[variant]))
+    got = chunk_prepare(*args, **kw)
     _assert_finite(*got)
     want = ChunkIntermediates(*ref.chunk_prepare_reference(*args, **kw))
     for name in ("w", "u", "a"):
@@ -358,11 +344,10 @@ def test_prefill_core_lowers_for_h200(lower_bound):
         assert name in text, name
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
-def test_prepare_variants_lower_for_h200(lower_bound, variant):
-    """Each chunk_prepare variant at Kimi-Linear sizes (H=32, K=V=128, C=64), bf16, fused L2
-    norm, T off the chunk grid: the real Triton IR builds, with the split kernel when asked."""
+def test_prepare_lowers_for_h200(lower_bound):
+    """chunk_prepare at Kimi-Linear sizes (H=32, K=V=128, C=64), bf16, fused L2 norm, T off the
+    chunk grid: the real Triton IR of its kernels builds (the diagonal kernel: unbounded only)."""
     b, t, h, kd = 2, 300, 32, 128
     s = jax.ShapeDtypeStruct
     args = (
@@ -373,13 +358,11 @@ def test_prepare_variants_lower_for_h200(lower_bound, variant):
         s((h,), f32),
         s((h * kd,), f32),
     )
-    blk = PrepareBlockSizes(**VARIANTS[variant])
-    fn = lambda *a: _chunk_prepare(  # noqa: E731
-        *a, scale=kd**-0.5, chunk=64, lower_bound=lower_bound, mm_dtype=bf16, l2_eps=1e-6, blk=blk
+    fn = lambda *a: chunk_prepare(  # noqa: E731
+        *a, scale=kd**-0.5, chunk=64, lower_bound=lower_bound, mm_dtype=bf16, l2_eps=1e-6
     )
     text = lower_for_h200(fn, *args)
-    assert "kda_chunk_prepare" in text
-    assert ("kda_chunk_wu" in text) == blk.split_wu
+    assert "kda_chunk_prepare" in text and "kda_chunk_wu" in text
     assert ("kda_chunk_diag" in text) == (lower_bound is None)
 
 
@@ -414,16 +397,15 @@ def test_prefill_core_strong_decay_on_gpu(rng):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled stage checks need a GPU")
-@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
-def test_stages_fp32_on_gpu(rng, lower_bound, variant):
+def test_stages_fp32_on_gpu(rng, lower_bound):
     """Each compiled stage in fp32 (TF32 products) against its reference, Kimi-Linear heads,
-    with each chunk_prepare variant (its barriers and masks only show compiled)."""
+    both gates (the prepare kernels' barriers and masks only show compiled)."""
     t, h, kd = 300, 4, 128
     inp = _inputs(rng, b=2, t=t, h=h, kd=kd, lengths=[t, 131])
     args = _prep_args(inp)
     kw = dict(scale=kd**-0.5, chunk=64, lower_bound=lower_bound, mm_dtype=f32)
-    got = _chunk_prepare(*args, **kw, l2_eps=None, blk=PrepareBlockSizes(**VARIANTS[variant]))
+    got = chunk_prepare(*args, **kw)
     want = ChunkIntermediates(*ref.chunk_prepare_reference(*args, **kw))
     for name in ChunkIntermediates._fields:
         assert_close(getattr(got, name), getattr(want, name), FP32_TOL, name)
