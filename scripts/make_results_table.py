@@ -5,9 +5,10 @@
 
 Each JSON file holds one record or a list of records with the keys
 `bench, shape, backend, time_us, floor_us, baseline ({name, time_us} or null), date, commit,
-device, command`. The table (default benchmarks/results/README.md; `-` prints it) has one row
-per record; the chart (default docs/results.png) draws, per case, our time beside the
-bandwidth floor and the baseline, labelled with device and date. With no records, the table says
+device, command` (and optionally `note`, listed under the table). The table (default
+benchmarks/results/README.md; `-` prints it) has one row per record; the chart (default
+docs/results.png) draws, per case, our time beside the bandwidth floor and the baseline,
+labelled with device and date. With no records, the table says
 so and no chart is drawn (an old chart is left untouched). `--readme` also replaces the text
 between `<!-- results:begin -->` and `<!-- results:end -->` in README.md with the table and chart.
 """
@@ -104,6 +105,7 @@ def markdown_table(records: list[dict]) -> str:
         "baseline (µs) | speed-up vs baseline | device | date | commit |",
         "|---|---|---|---:|---:|---:|---|---:|---:|---|---|---|",
     ]
+    notes: list[str] = []  # a record's optional "note" (e.g. why a figure is unreliable)
     for r in records:
         t, floor, base = r["time_us"], r["floor_us"], r["baseline"]
         ratio = "-" if not (floor and t) else f"{t / floor:.2f}"
@@ -111,11 +113,17 @@ def markdown_table(records: list[dict]) -> str:
         b_time = base.get("time_us") if base else None
         speedup = "-" if not (b_time and t) else f"{b_time / t:.2f}×"
         ours = _us(t) if t is not None else f"failed: {str(r.get('error', '?'))[:60]}"
+        if r.get("note"):
+            if r["note"] not in notes:
+                notes.append(r["note"])
+            ours += f" (note {notes.index(r['note']) + 1})"
         lines.append(
             f"| {r['bench']} | {shape_str(r['shape'])} | {r['backend']} | {ours} | "
             f"{_us(floor)} | {ratio} | {b_name} | {_us(b_time)} | {speedup} | {r['device']} | "
             f"{r['date']} | {str(r['commit'])[:10]} |"
         )
+    if notes:
+        lines += ["", "Notes:", *[f"{i + 1}. {n}" for i, n in enumerate(notes)]]
     commands = sorted({r["command"] for r in records})
     lines += ["", "Commands:", *[f"- `{c}`" for c in commands], ""]
     return "\n".join(lines)
