@@ -23,8 +23,14 @@ most SMs idle, so its D axis is split into `split_d` contiguous ranges on a seco
 program writes an fp32 partial sum and the partials are added afterwards in a fixed left-to-right
 order, elementwise: still the same chain of operations for every row whatever M is.
 
+Outputs without copies: `splits` hands the rows of one weight back as separate arrays (w_in's
+q|k|v, f_a, g_a, b: the program whose row tile falls in a part stores it there, so no slice of
+the product is ever copied), and `proj_many` sweeps several weights of one shape in one launch
+(f_b and g_b: a third grid axis picks the weight). Each output element is still the same chain
+of operations, so neither changes a single bit of the result.
+
 `proj` is the stage function the block's forward calls (signature of
-`reference.gemv_reference`); it dispatches on M (see its docstring).
+`reference.gemv_reference`), `proj_many` the one for several weights; both dispatch on M.
 """
 
 from __future__ import annotations
