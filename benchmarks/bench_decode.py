@@ -275,10 +275,12 @@ def main():
     meta = common.meta()
     batches = (1, 64) if args.quick else (1, 8, 64)
     reps = 3 if args.quick else 7
+    # 64 steps per loop even when quick: with 16, the B = 1 core's T(3n) - T(n) was noisier
+    # than the step itself (2026-12-01, the records' note).
     records = common.Records(args.out)
-    bench_core(cfg, batches, 16 if args.quick else 64, reps, records, meta)
+    bench_core(cfg, batches, 64, reps, records, meta)
     bench_block(cfg, params, batches, 64, reps, records, meta)
-    bench_conv(cfg, params, batches, 16 if args.quick else 64, reps, records, meta)
+    bench_conv(cfg, params, batches, 64, reps, records, meta)
     print(
         f"\n{'bench':<12}{'shape':<34}{'backend':<22}{'time_us':>9}{'floor_us':>9}"
         f"{'x_floor':>8}  baseline"

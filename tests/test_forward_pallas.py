@@ -174,3 +174,24 @@ def test_pallas_prefill_stage_by_stage_with_padding(name, rng):
         y_o, s_o, _ = K.oracle_forward(p, cfg, x[r : r + 1, :n], sr)
         assert_close(y[r : r + 1, :n], y_o, TOL["bf16_e2e"], f"row {r} y vs oracle")
         assert_close(s.recurrent[r : r + 1], s_o.recurrent, TOL["bf16_e2e"], f"row {r} S")
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_decode_step_launches_six_kernels_and_copies_nothing(rows):
+    """One decode (or k-row verify) step on the kernel path is six Pallas launches (w_in with its
+    four outputs, f_b | g_b, conv, recurrence, RMSNorm, o_proj) and slices no projection or
+    conv output (each kernel writes the arrays the next one reads): every extra XLA op between
+    them was a ~1 us kernel on the H200 (benchmarks/NOTES.md)."""
+    cfg = K.preset("kimi-linear-48b")
+    p = jax.eval_shape(lambda: K.init_params(cfg, jax.random.key(0), DTYPE))
+    s = jax.eval_shape(lambda: K.KdaState.zeros(cfg, 1))
+    x = jax.ShapeDtypeStruct((1, rows, cfg.hidden), DTYPE)
+    jaxpr = jax.make_jaxpr(lambda p, x, s: K.decode_k(p, cfg, x, s, backend="pallas"))(p, x, s)
+    text = str(jaxpr)
+    assert text.count("pallas_call[") == 6, text.count("pallas_call[")
+    # The only slices left are o_proj's split-D partial sums (fused into their sum by XLA) and,
+    # with rows > 1, the last conv snapshot taken as the new state.
+    allowed = (f"f32[1,{rows},2304] = slice[", "f32[1,1,3,12288] = slice[")
+    sliced = [ln.strip() for ln in text.splitlines() if "slice[" in ln]
+    assert sliced and all(ln.endswith(allowed) for ln in sliced), sliced
+    assert (rows > 1) == any(ln.endswith(allowed[1]) for ln in sliced), sliced
