@@ -193,9 +193,12 @@ def sweep_cases(args, device, target_s, reps):
         for m in (1, 8):
             x = jax.random.normal(key, (m, d), jnp.float32).astype(jnp.bfloat16)
             fn = G.gemv if m == 1 else G.gemv_batchm
-            splits = (1,) if name == "w_in" else (1, 2, 4, 8)
+            # w_in (17.8 us for a 13.5 us read in the decode step, 2026-12-01): also more warps,
+            # deeper pipelines and a few D splits (more programs in flight per SM).
+            splits = (1, 2, 3) if name == "w_in" else (1, 2, 4, 8)
+            warps_list, stages_list = ((4, 8), (3, 4, 6)) if name == "w_in" else ((4,), (3, 4))
             for bn, bd, warps, stages, split in itertools.product(
-                (16, 32, 64), (128, 256), (4,), (3, 4), splits
+                (16, 32, 64), (128, 256), warps_list, stages_list, splits
             ):
                 if m == 8 and not args.sweep_m8:
                     continue
