@@ -4,7 +4,7 @@ chunk_scan alone over the block sizes given, and with --fla FLA's kernels one by
 (torch.profiler).
 
     python benchmarks/stage_profile.py --out PATH [--t T] [--fla] [--gates bounded,unbounded]
-                                       [--configs 16x4,16x4+mask,16x4+split]
+                                       [--configs 16x4,32x4]
                                        [--scan-configs 32x4x2,64x4x2 | none]
 """
 
@@ -74,8 +74,7 @@ def main():
         "--configs",
         type=lambda x: x.split(","),
         default=["16x4"],
-        help="chunk_prepare block_k x num_warps [+mask] [+split] list (PrepareBlockSizes "
-        "mask_rows, split_wu), e.g. 16x4,16x4+mask,16x4+mask+split",
+        help="chunk_prepare block_k x num_warps list (PrepareBlockSizes), e.g. 16x4,32x4",
     )
     parser.add_argument(
         "--scan-configs",
@@ -126,15 +125,8 @@ def main():
         kw = dict(scale=kd**-0.5, chunk=64, lower_bound=lb, mm_dtype=jnp.bfloat16, l2_eps=L2_EPS)
         shape = f"B={b},T={t},H={h},gate={gate}"
         for config in args.configs:
-            sizes, *flags = config.split("+")
-            bk, warps = (int(n) for n in sizes.split("x"))
-            blk = PrepareBlockSizes(
-                sub=16,
-                block_k=bk,
-                num_warps=warps,
-                mask_rows="mask" in flags,
-                split_wu="split" in flags,
-            )
+            bk, warps = (int(n) for n in config.split("x"))
+            blk = PrepareBlockSizes(sub=16, block_k=bk, num_warps=warps)
 
             def prep_step(state, blk=blk, kw=kw):
                 inter = _chunk_prepare(
