@@ -65,6 +65,12 @@ def fla_kernels(inputs, lower_bound):
     return sorted(rows, key=lambda r: -r[1])
 
 
+def prepare_block_sizes(config: str) -> PrepareBlockSizes:
+    """`--configs` entry "BKxW" (block_k x num_warps) -> PrepareBlockSizes."""
+    bk, warps = (int(n) for n in config.split("x"))
+    return PrepareBlockSizes(sub=16, block_k=bk, num_warps=warps)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -125,8 +131,7 @@ def main():
         kw = dict(scale=kd**-0.5, chunk=64, lower_bound=lb, mm_dtype=jnp.bfloat16, l2_eps=L2_EPS)
         shape = f"B={b},T={t},H={h},gate={gate}"
         for config in args.configs:
-            bk, warps = (int(n) for n in config.split("x"))
-            blk = PrepareBlockSizes(sub=16, block_k=bk, num_warps=warps)
+            blk = prepare_block_sizes(config)
 
             def prep_step(state, blk=blk, kw=kw):
                 inter = _chunk_prepare(
