@@ -91,11 +91,12 @@ def bench_block(cfg, params, batches, n, reps, records, meta):
             key = jax.random.key(b)
             x = jax.random.normal(key, (b, cfg.hidden), jnp.float32).astype(params.dtype)
             run = functools.partial(
-                functools.partial(common.time_loop, differential=True),
+                common.time_loop,
                 _decode_step(params, cfg, backend),
                 (x, random_state(cfg, b, key)),
                 n,
                 reps,
+                differential=True,
             )
             floor = (cfg.weight_bytes() + 2 * b * cfg.state_bytes()) / BANDWIDTH * 1e6
             shape = f"B={b},D={cfg.hidden},H={cfg.heads},K={cfg.head_dim}"
@@ -109,11 +110,12 @@ def bench_block(cfg, params, batches, n, reps, records, meta):
         key = jax.random.key(100 + k)
         x = jax.random.normal(key, (b, k, cfg.hidden), jnp.float32).astype(params.dtype)
         run = functools.partial(
-            functools.partial(common.time_loop, differential=True),
+            common.time_loop,
             _decode_k_step(params, cfg),
             (x, random_state(cfg, b, key)),
             n,
             reps,
+            differential=True,
         )
         # The state is read once and written k times (the snapshots).
         floor = (cfg.weight_bytes() + (1 + k) * b * cfg.state_bytes()) / BANDWIDTH * 1e6

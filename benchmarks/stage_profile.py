@@ -94,6 +94,9 @@ def main():
         "--gates", default="bounded,unbounded", help="which gates to time, e.g. unbounded"
     )
     args = parser.parse_args()
+    unknown = set(args.gates.split(",")) - {"bounded", "unbounded"}
+    if unknown:
+        parser.error(f"--gates: unknown {sorted(unknown)}, expected bounded and/or unbounded")
     meta = common.meta()
     records = common.Records(args.out)
     b, t, h, kd = 1, args.t, 32, 128

@@ -14,10 +14,15 @@ products per chunk and nothing else:
 
 Structure (registers decide the speed here: the first version held the [C, K] chunk and whole
 [sub, sub] tile sets in registers, spilled, and ran 2-3x slower):
-  1. G = chunk cumsum of the gate, per column slice of `block_k`, into a private fp32 scratch
-     (an extra output the wrapper drops), with qg, kg and exp(G_last) written on the way.
+  0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs): the
+     diagonal [sub, sub] blocks of A and L pairwise (see Decay safety); in the main kernel the
+     same loop cost 1.85 of 3.25 ms (H200, B=1, T=8192).
+  1. G = chunk cumsum of the gate, per column slice of `block_k`, into a fp32 scratch output
+     (private to the program until the w/u kernel reads it), with qg, kg and exp(G_last)
+     written on the way.
   2. Scores one sub-block of rows at a time: [sub, C] accumulators summed over the column
-     slices (loops, not unrolled), stored as rows of A and, for L, into the scratch.
+     slices (loops, not unrolled), stored as rows of A and, for L, into the scratch; the
+     unbounded gate's diagonal blocks come from phase 0.
   3. T = (I + L)^-1 from the scratch's [sub, sub] blocks, stored back into the scratch.
   4. In a second kernel (`kda_chunk_wu`, 48 registers against the first one's 128-138, so each
      has its own occupancy: H200, 2026-12-01, 1450 -> 966 us for the bounded gate at B=1,
@@ -31,9 +36,9 @@ fp32 overflow. Rows of sub-block b use the reference r = b*sub (the block's firs
 exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), the mask applied before `exp`, both factors
 <= 1 for columns j < r. With a bounded gate far from overflow ((sub - 1) |lb| <= 80 nats, e.g.
 lb = -5) the block's own columns are taken the same way (the second factor stays below e^80).
-Otherwise (unbounded gate) the diagonal block is computed pairwise, one key column at a time,
-from block-local cumulative sums Gl kept in a second scratch: exp(Gl_i - Gl_j) with the mask
-before `exp`, exact at any decay strength.
+Otherwise (unbounded gate) the diagonal block is computed pairwise by `kda_chunk_diag`, one key
+column at a time, from block-local cumulative sums Gl: exp(Gl_i - Gl_j) with the mask before
+`exp`, exact at any decay strength.
 T is built block by block: the diagonal [sub, sub] inverses as (I - L)(I + L^2)(I + L^4)(I + L^8)
 plus one Newton step (as accurate as an fp32 triangular solve, measured against float64), the
 off-diagonal blocks by T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ (full fp32 dots, no TF32).
@@ -259,10 +264,6 @@ def _chunk_prepare_kernel(
         g = jnp.where(ok, gate_math(load(f_ref, cols, rows, ok) + dt, ea, lower_bound), 0.0)
         return jnp.cumsum(g, axis=0)
 
-    def barrier():
-        if not common.interpret():  # interpret mode runs a program's stores in order
-            plt.debug_barrier()
-
     rq, rk = inv_norm(q_ref), inv_norm(k_ref)
     beta = jnp.where(valid[:, 0], beta_math(plt.load(b_ref, mask=valid[:, 0], other=0.0)), 0.0)
     beta = beta[:, None]
@@ -279,7 +280,7 @@ def _chunk_prepare_kernel(
         return carry
 
     over_slices(kd, cumulative, 0)
-    barrier()
+    common.barrier()
 
     # 2. Scores, one sub-block of rows at a time ([sub, C] accumulators), summed over the column
     # slices. Rows of block `blk` use the reference r = blk*sub (its first row):
@@ -326,7 +327,7 @@ def _chunk_prepare_kernel(
         else:
             a_ref[rows, :] = a_rows
             l_scr_ref[rows, pl.ds(0, c)] = l_rows
-    barrier()
+    common.barrier()
 
     # 3. T = (I + L)^-1 by sub-blocks (T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ), into the scratch.
     def l_blk(i, j):
@@ -345,7 +346,7 @@ def _chunk_prepare_kernel(
             )
             t_ij = -jnp.dot(t_ii, acc, precision=HI, preferred_element_type=f32)
             l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + j * sub, sub)] = t_ij
-        barrier()
+        common.barrier()
 
     # 4. w and u are `_chunk_wu_kernel`'s; L is dead by now (fenced): its columns 0 and 1 hand
     # over the row scales of w and u.

@@ -1,12 +1,15 @@
-"""Helpers shared by the kernel files: interpret-mode selection and power-of-two sizing."""
+"""Helpers shared by the kernel files: interpret-mode selection, the in-kernel barrier, part
+bounds and power-of-two sizing."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import jax
+from jax.experimental.pallas import triton as plt
 
-__all__ = ["interpret", "next_pow2", "cdiv"]
+__all__ = ["interpret", "barrier", "bounds", "next_pow2", "cdiv"]
 
 
 def interpret() -> bool:
@@ -18,6 +21,18 @@ def interpret() -> bool:
     if os.environ.get("KDA_PALLAS_INTERPRET", "") == "1":
         return True
     return jax.default_backend() != "gpu"
+
+
+def barrier() -> None:
+    """__syncthreads inside a Triton kernel: orders one program's stores before its other
+    threads' loads of the same addresses. Interpret mode runs a program in order: nothing."""
+    if not interpret():
+        plt.debug_barrier()
+
+
+def bounds(widths) -> tuple[int, ...]:
+    """(0, w0, w0 + w1, ..., sum): where consecutive parts of the given widths start and end."""
+    return (0, *itertools.accumulate(int(w) for w in widths))
 
 
 def next_pow2(n: int) -> int:

@@ -51,6 +51,14 @@ class ConvBlockSizes:
     block_t: int = 1
     num_warps: int = 4
 
+    def __post_init__(self):
+        for name in ("block_heads", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"ConvBlockSizes.{name}={v}: expected a power of two >= 1")
+        if self.block_t < 1:
+            raise ValueError(f"ConvBlockSizes.block_t={self.block_t}: expected >= 1")
+
     @staticmethod
     def default_for(t: int, groups: int, head_dim: int) -> ConvBlockSizes:
         """Decode (t = 1): 256-channel tiles, 4 warps, at every B (H200, 2026-12-01: at B = 64
@@ -83,11 +91,14 @@ def _qk_mask(block_heads: int, qk_groups: int):
     return group < qk_groups
 
 
-def _conv_decode_kernel(x_ref, state_ref, *refs, rows, width, qk_groups, l2_eps, tiles):
+def _conv_decode_kernel(x_ref, state_ref, *refs, rows, width, qk_groups, l2_eps, tiles, in_place):
     """x_ref: [R, HB, K]; state_ref: [W-1, HB, K]; refs: W tap refs [HB, K], then one out ref
     [R, HB, K] per output segment, then states_ref [R, W-1, HB, K]. `tiles`: the first channel
     tile of each segment and the end (this program's segment is where its tile falls; the other
-    segments' refs point at a clamped tile and are not written)."""
+    segments' refs point at a clamped tile and are not written). in_place: states_ref is
+    state_ref's memory (one row): a barrier orders every thread's loads of the old state before
+    any thread's stores of the new one (a store's thread need not be the one that loaded that
+    element)."""
     tap_refs, out_refs, states_ref = refs[:width], refs[width:-1], refs[-1]
     taps = [r[...].astype(f32) for r in tap_refs]
     j = pl.program_id(1)  # read here: interpret mode cannot see program_id inside pl.when
@@ -98,13 +109,16 @@ def _conv_decode_kernel(x_ref, state_ref, *refs, rows, width, qk_groups, l2_eps,
         y = _conv_row(window, x_row, taps, qk_mask, l2_eps)
         if len(out_refs) == 1:
             out_refs[0][r] = y
-        for s, out_ref in enumerate(out_refs if len(out_refs) > 1 else ()):
+        else:
+            for s, out_ref in enumerate(out_refs):
 
-            def store(out_ref=out_ref, r=r, y=y):
-                out_ref[r] = y
+                def store(out_ref=out_ref, r=r, y=y):
+                    out_ref[r] = y
 
-            pl.when((j >= tiles[s]) & (j < tiles[s + 1]))(store)
+                pl.when((j >= tiles[s]) & (j < tiles[s + 1]))(store)
         window = window[1:] + [x_row]
+        if in_place:
+            common.barrier()
         for i in range(width - 1):
             states_ref[r, i] = window[i]
 
@@ -179,16 +193,16 @@ def conv_decode(
             f"conv_decode: splits={splits}: expected positive multiples of the {lanes}-channel "
             f"tile summing to C={c}"
         )
-    tiles = [0]
-    for v in widths:
-        tiles.append(tiles[-1] + v // lanes)
+    tiles = common.bounds(v // lanes for v in widths)
+    one_row = r == 1  # then the new state is written over the old one (below)
     kernel = functools.partial(
         _conv_decode_kernel,
         rows=r,
         width=width,
         qk_groups=qk_channels // k,
         l2_eps=l2_eps,
-        tiles=tuple(tiles),
+        tiles=tiles,
+        in_place=one_row,
     )
 
     def out_spec(s):
@@ -198,10 +212,9 @@ def conv_decode(
         )
 
     # One row: the new state has the shape of the old one, so it is written in place (each
-    # program reads its tile of the state before writing the same tile), which spares the
-    # caller's loop a copy of the state.
-    one_row = r == 1
-    state_in = conv_state.reshape(b, *((1,) if one_row else ()), width - 1, groups, k)
+    # program reads its tile of the state, then a barrier, then writes the same tile), which
+    # spares the caller's loop a copy of the state.
+    state_in = conv_state.astype(f32).reshape(b, *((1,) if one_row else ()), width - 1, groups, k)
     state_spec = (
         pl.BlockSpec((None, None, width - 1, hb, k), lambda i, j: (i, 0, 0, j, 0))
         if one_row

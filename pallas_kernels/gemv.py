@@ -27,7 +27,9 @@ Outputs without copies: `splits` hands the rows of one weight back as separate a
 q|k|v, f_a, g_a, b: the program whose row tile falls in a part stores it there, so no slice of
 the product is ever copied), and `proj_many` sweeps several weights of one shape in one launch
 (f_b and g_b: a third grid axis picks the weight). Each output element is still the same chain
-of operations, so neither changes a single bit of the result.
+of operations whatever M is. Part bounds must be multiples of 16 rows; a bound that is not a
+multiple of the default row tile lowers that tile for the whole weight (still independent of
+M, so rows keep their bits across M; w_in's bounds are multiples of its tile).
 
 `proj` is the stage function the block's forward calls (signature of
 `reference.gemv_reference`), `proj_many` the one for several weights; both dispatch on M.
@@ -135,7 +137,7 @@ def _gemv_kernel(
 
     refs: x refs [m, d] (any float dtype, cast to w's dtype on load, as the reference does), one
     per group; w refs [n, d], one per group; then per group one y ref [split_d, m, n_s] per output
-    segment, segment s holding rows bounds[s]:bounds[s+1] (block_n divides every bound, so a
+    segment, segment s holding rows bounds[s]:bounds[s+1] (block_n divides every inner bound, so a
     program's rows fall in one segment). Loads and stores are masked at row m, row n, column d.
     """
     block_n, block_d = bs.block_n, bs.block_d
@@ -220,16 +222,21 @@ def _check(x: jax.Array, w: jax.Array, what: str, m_range: tuple[int, int]) -> N
 
 
 def _bounds(n: int, splits) -> tuple[int, ...]:
-    """Segment bounds (0, ..., n) of the output rows for `splits` (widths summing to n)."""
+    """Segment bounds (0, ..., n) of the output rows for `splits`: positive widths summing to n,
+    every inner bound a multiple of 16 (the smallest row tile). Checked whatever M is, so the
+    same call is accepted or refused on the kernel and the XLA paths alike."""
     if splits is None:
         return (0, n)
     splits = tuple(int(v) for v in splits)
     if not splits or min(splits) < 1 or sum(splits) != n:
         raise ValueError(f"splits={splits}: expected positive widths summing to N={n}")
-    bounds = [0]
-    for v in splits:
-        bounds.append(bounds[-1] + v)
-    return tuple(bounds)
+    bounds = common.bounds(splits)
+    if any(b % 16 for b in bounds[1:-1]):
+        raise ValueError(
+            f"splits={splits}: every part but the last must end at a multiple of 16 rows "
+            f"(the kernel's smallest row tile); the parts end at {bounds[1:-1]}"
+        )
+    return bounds
 
 
 def _sweep(xs, ws, *, out_dtype, block_sizes: GemvBlockSizes, bounds) -> list[list[jax.Array]]:
@@ -281,11 +288,6 @@ def _run(xs, ws, out_dtype, block_sizes, splits, what, m_range):
     """Validates, picks the tiling (the same for every M: bit-equality), runs one sweep."""
     for x, w in zip(xs, ws, strict=True):
         _check(x, w, what, m_range)
-        if w.shape != ws[0].shape or w.dtype != ws[0].dtype or x.shape != xs[0].shape:
-            raise ValueError(
-                f"{what}: every group needs the same x and w shapes and w dtype, got x "
-                f"{[tuple(a.shape) for a in xs]}, w {[(tuple(a.shape), a.dtype) for a in ws]}"
-            )
     n, d = ws[0].shape
     bounds = _bounds(n, splits)
     bs = block_sizes or _largest_block_n(
@@ -343,7 +345,8 @@ def gemv_batchm(
 def proj(x: jax.Array, w: jax.Array, *, out_dtype=None, splits: tuple[int, ...] | None = None):
     """The projection stage of the block: y = x @ w.T, fp32 accumulation (`gemv_reference`).
 
-    Dispatch on the row count M (a static shape, so one branch is traced):
+    Dispatch on the row count M (a static shape, so one branch is traced; inputs are validated
+    the same way on both branches):
     - M == 1: `gemv`; 2 <= M <= 8: `gemv_batchm` (decode and the speculative verify, where the
       product is bound by reading the weight once, and rows must agree bit for bit across M);
     - M > 8: XLA's dot (`reference.gemv_reference`, cuBLAS on a GPU): with many rows the product
@@ -361,6 +364,8 @@ def proj(x: jax.Array, w: jax.Array, *, out_dtype=None, splits: tuple[int, ...] 
     if x.ndim != 2 or x.shape[0] < 1:
         raise ValueError(f"proj: x has shape {tuple(x.shape)}, expected [M, D] with M >= 1")
     m = x.shape[0]
+    if w.ndim == 2:
+        _bounds(w.shape[0], splits)
     if m <= MAX_KERNEL_ROWS:
         what, rng = ("gemv", (1, 1)) if m == 1 else ("gemv_batchm", (2, MAX_KERNEL_ROWS))
         return _run([x], [w], out_dtype, None, splits, what, rng)[0]
@@ -386,10 +391,16 @@ def proj_many(xs, ws, *, out_dtype=None) -> tuple[jax.Array, ...]:
             f"proj_many: {len(xs)} activations and {len(ws)} weights, expected as many of each "
             "(at least one), activations [M, D] with M >= 1"
         )
+    if any(x.shape != xs[0].shape for x in xs) or any(
+        w.shape != ws[0].shape or w.dtype != ws[0].dtype for w in ws
+    ):
+        raise ValueError(
+            f"proj_many: every group needs the same x and w shapes and w dtype, got x "
+            f"{[tuple(a.shape) for a in xs]}, w {[(tuple(a.shape), a.dtype) for a in ws]}"
+        )
     m = xs[0].shape[0]
     if m <= MAX_KERNEL_ROWS:
-        what, rng = ("proj_many", (1, MAX_KERNEL_ROWS))
-        return tuple(_run(xs, ws, out_dtype, None, None, what, rng))
+        return tuple(_run(xs, ws, out_dtype, None, None, "proj_many", (1, MAX_KERNEL_ROWS)))
     for x, w in zip(xs, ws, strict=True):
         _check(x, w, "proj_many", (m, m))
     return ref.proj_many_reference(xs, ws, out_dtype=out_dtype)

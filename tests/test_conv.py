@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import ON_GPU, TOL, assert_close, lower_for_h200, normal
 
-from pallas_kernels.conv import conv_decode, conv_prefill
+from pallas_kernels.conv import ConvBlockSizes, conv_decode, conv_prefill
 from pallas_kernels.reference import conv_decode_reference, conv_prefill_reference
 
 # C = 3*H*K: 288 channels (9 head groups, not a power of two) on the CPU, Kimi-Linear on a GPU.
@@ -77,6 +77,30 @@ def test_conv_decode_splits_equal_unsplit_bits(rng, batch, rows):
     np.testing.assert_array_equal(states, states1)
     with pytest.raises(ValueError, match="summing to C"):
         conv_decode(x, state, w, **KW, splits=(p, p))
+    with pytest.raises(ValueError, match="multiples of the"):  # a part ends inside a tile
+        conv_decode(x, state, w, **KW, splits=(p - K // 2, p + K // 2, p))
+
+
+def test_conv_block_sizes_are_validated():
+    with pytest.raises(ValueError, match="block_heads=3"):
+        ConvBlockSizes(block_heads=3)
+    with pytest.raises(ValueError, match="num_warps=6"):
+        ConvBlockSizes(block_heads=1, num_warps=6)
+    with pytest.raises(ValueError, match="block_t=0"):
+        ConvBlockSizes(block_heads=1, block_t=0)
+
+
+def test_conv_decode_accepts_a_bf16_state(rng):
+    """One row writes the state in place (fp32): a state of another dtype is converted first,
+    as the reference does, rather than failing on the alias."""
+    kx, ks, kw = jax.random.split(rng, 3)
+    x = normal(kx, (B, 1, C), jnp.bfloat16)
+    state = normal(ks, (B, W - 1, C), jnp.bfloat16)
+    w = _taps(kw)
+    out, states = conv_decode(x, state, w, **KW)
+    out_ref, states_ref = conv_decode_reference(x, state, w, **KW)
+    assert_close(out, out_ref, FP32_TOL, "conv_decode out, bf16 state")
+    np.testing.assert_array_equal(states, states_ref)
 
 
 @pytest.mark.parametrize("pad_value", [np.nan, 1e30])

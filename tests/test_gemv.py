@@ -246,12 +246,26 @@ def test_splits_and_groups_reject_bad_input():
     x, w = jnp.ones((2, 96), BF16), jnp.ones((100, 96), BF16)
     with pytest.raises(ValueError, match="summing to N=100"):
         G.proj(x, w, splits=(50, 40))
-    with pytest.raises(ValueError, match="must divide every split bound"):
-        G.proj(x, w, splits=(50, 50))
+    for m in (2, 12):  # the kernel path and the XLA path refuse the same splits
+        with pytest.raises(ValueError, match="multiple of 16 rows"):
+            G.proj(jnp.ones((m, 96), BF16), w, splits=(50, 50))
+        with pytest.raises(ValueError, match="same x and w shapes"):
+            G.proj_many((jnp.ones((m, 96), BF16),) * 2, (w, w[:64]))
     with pytest.raises(ValueError, match="as many of each"):
         G.proj_many((x, x), (w,))
     with pytest.raises(ValueError, match="same x and w shapes"):
         G.proj_many((x, x), (w, w[:64]))
+
+
+def test_split_bounds_lower_the_row_tile_only_when_needed():
+    """w_in's bounds keep its default 32-row tile; a 16-aligned bound halves it; either way the
+    tiling ignores M (rows keep their bits across M)."""
+    n, d = W_IN
+    default = G.GemvBlockSizes.default_for(n, d)
+    kept = G._largest_block_n(default, G._bounds(n, (3 * 4096, 128, 128, 32)))
+    assert kept == default and default.block_n == 32, (default, kept)
+    lowered = G._largest_block_n(default, G._bounds(n, (3 * 4096 + 16, 112, 128, 32)))
+    assert lowered.block_n == 16 and lowered.block_d == default.block_d, lowered
 
 
 def test_splits_and_groups_lower_for_h200():
