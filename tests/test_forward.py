@@ -209,10 +209,13 @@ def test_jit_and_vmap_smoke(rng):
     states = jax.tree.map(lambda a: jnp.stack([a] * 3), s0)
     f = jax.jit(jax.vmap(lambda x, s: K.decode(p, cfg, x, s, backend="xla")))
     y, s = f(xs, states)
+    # vmap batches the dots, so XLA may sum them in another order: fp32 rounding, up to 1.1e-6
+    # relative RMS with some of this test's per-run inputs (an ad hoc 1e-6 bar here failed
+    # once in CI); SPEC §8's fp32 bar is the one that applies.
     for i in range(3):
         yi, si = K.decode(p, cfg, xs[i], s0, backend="xla")
-        assert_close(y[i], yi, 1e-6, "vmap y")
-        assert_close(s.recurrent[i], si.recurrent, 1e-6, "vmap state")
+        assert_close(y[i], yi, TOL["fp32_cpu"], "vmap y")
+        assert_close(s.recurrent[i], si.recurrent, TOL["fp32_cpu"], "vmap state")
 
 
 def test_state_is_functional(rng):
