@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import secrets
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,10 +46,25 @@ def normal(key, shape, dtype=jnp.float32, scale=1.0):
     return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
+# Fresh inputs on every run, reproducible on demand: each run draws a seed (printed in pytest's
+# header); KDA_TEST_SEED=<that seed> replays the run's inputs exactly.
+RUN_SEED = int(os.environ.get("KDA_TEST_SEED") or secrets.randbelow(2**31))
+
+
+def pytest_report_header(config):
+    return f"kda-jax inputs: KDA_TEST_SEED={RUN_SEED} (set it to replay this run's inputs)"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The seed again at the end, where `-q` runs (CI) show it too."""
+    terminalreporter.write_line(f"kda-jax inputs: KDA_TEST_SEED={RUN_SEED}")
+
+
 @pytest.fixture
 def rng(request):
-    """A key derived from the test's name, so each test draws its own inputs."""
-    seed = abs(hash(request.node.nodeid)) % (2**31)
+    """A key from the run's seed and the test's id: each test draws its own inputs, new ones on
+    every run, the same ones again under the same KDA_TEST_SEED."""
+    seed = (zlib.crc32(request.node.nodeid.encode()) ^ RUN_SEED) % (2**31)
     return jax.random.key(seed)
 
 
