@@ -195,7 +195,6 @@ def _chunk_prepare_kernel(
     len_ref,
     q_ref,
     k_ref,
-    v_ref,
     f_ref,
     b_ref,
     ea_ref,
@@ -217,7 +216,7 @@ def _chunk_prepare_kernel(
 ):
     """One (sequence, chunk, head).
 
-    len_ref: [Bp] int32; q_ref, k_ref, f_ref: [C, K]; v_ref: [C, V]; b_ref: [C]; ea_ref (exp A_log
+    len_ref: [Bp] int32; q_ref, k_ref, f_ref: [C, K]; b_ref: [C]; ea_ref (exp A_log
     broadcast over K), dt_ref: [K]; diag_a_ref, diag_l_ref: [C, sub] fp32, the diagonal blocks'
     pairwise scores from `_diag_pairwise_kernel` (unbounded gate; unused otherwise).
     Outputs: qg_ref, kg_ref: [C, K]; a_ref: [C, C]; gl_ref: [1, K]. Scratch outputs, private to
@@ -257,11 +256,11 @@ def _chunk_prepare_kernel(
         )
         return lax.rsqrt(sq + l2_eps)
 
-    def decay(cols, rows=all_rows, ok=valid):
-        """Gate over a column slice (0 at pads) and its cumulative sum down the rows."""
+    def decay(cols):
+        """Gate over a column slice (0 at pads) and its cumulative sum down the chunk's rows."""
         ea = ea_ref[cols].astype(f32)[None, :]
         dt = dt_ref[cols].astype(f32)[None, :]
-        g = jnp.where(ok, gate_math(load(f_ref, cols, rows, ok) + dt, ea, lower_bound), 0.0)
+        g = jnp.where(valid, gate_math(load(f_ref, cols) + dt, ea, lower_bound), 0.0)
         return jnp.cumsum(g, axis=0)
 
     rq, rk = inv_norm(q_ref), inv_norm(k_ref)
@@ -540,7 +539,6 @@ def _chunk_prepare(
             pl.BlockSpec((lens.shape[0],), lambda s, c, hh: (0,)),
             tok(kd),
             tok(kd),
-            tok(vd),
             tok(kd),
             pl.BlockSpec((None, chunk, None), lambda s, c, hh: (s, c, hh)),
             head,
@@ -552,7 +550,7 @@ def _chunk_prepare(
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),
         name="kda_chunk_prepare",
         interpret=common.interpret(),
-    )(lens, q, k, v, f4, b, ea, dt, diag_a, diag_l)
+    )(lens, q, k, f4, b, ea, dt, diag_a, diag_l)
     outs = dict(zip(kept, res[:-2], strict=True))
     outs["w"], outs["u"] = pl.pallas_call(
         functools.partial(_chunk_wu_kernel, sub=sub, block_k=blk.block_k),

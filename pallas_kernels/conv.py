@@ -13,8 +13,8 @@ so R rows of one `conv_decode` call give the bits of R serial 1-row calls.
 conv_decode can hand its output back as separate channel ranges (`splits`: q, k, v, each
 written by the programs whose tiles fall in it, so the block never copies slices of it), and a
 one-row call writes the new conv state over the old one (`input_output_aliases`: each program
-reads its tile of the state before writing the same tile), which spares a decode loop the copy
-of its carried state.
+reads its tile of the state, passes a barrier, then writes the same tile), which spares a decode
+loop the copy of its carried state.
 
 Conv state layout (`KdaState.conv`): [B, W-1, C] fp32, oldest first (`[:, -1]` = previous row).
 """
