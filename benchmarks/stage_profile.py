@@ -1,10 +1,11 @@
 """Stage times of the chunked prefill at B=1, H=32 (T=8192 by default), both gates, for tuning:
 the whole core (chunk_kda) against FLA 0.6.0 chunk_kda in the same job, chunk_prepare and
-chunk_scan alone over the block sizes given, and with --fla FLA's kernels one by one
-(torch.profiler).
+chunk_scan alone over the block sizes given, with --fla FLA's kernels one by one and with
+--kernels ours (torch.profiler: CUPTI lists XLA's kernels too).
 
-    python benchmarks/stage_profile.py --out PATH [--t T] [--fla] [--gates bounded,unbounded]
-                                       [--configs 16x4,32x4]
+    python benchmarks/stage_profile.py --out PATH [--t T] [--fla] [--kernels]
+                                       [--gates bounded,unbounded]
+                                       [--configs 16x4,16x4x4]
                                        [--scan-configs 32x4x2,64x4x2 | none]
 """
 
@@ -38,6 +39,7 @@ from bench_prefill import (  # noqa: E402
     fla_call,
     fla_us,
 )
+from decode_profile import profile_case  # noqa: E402
 
 from pallas_kernels.chunk_prepare import PrepareBlockSizes, _chunk_prepare  # noqa: E402
 from pallas_kernels.chunk_scan import ScanBlockSizes, _chunk_scan  # noqa: E402
@@ -66,9 +68,11 @@ def fla_kernels(inputs, lower_bound):
 
 
 def prepare_block_sizes(config: str) -> PrepareBlockSizes:
-    """`--configs` entry "BKxW" (block_k x num_warps) -> PrepareBlockSizes."""
-    bk, warps = (int(n) for n in config.split("x"))
-    return PrepareBlockSizes(sub=16, block_k=bk, num_warps=warps)
+    """`--configs` entry "BKxW[xIW]" (block_k x num_warps [x inverse_warps, default 2])."""
+    bk, warps, *inv = (int(n) for n in config.split("x"))
+    return PrepareBlockSizes(
+        sub=16, block_k=bk, num_warps=warps, inverse_warps=inv[0] if inv else 2
+    )
 
 
 def main():
@@ -77,10 +81,14 @@ def main():
     parser.add_argument("--t", type=int, default=8192)
     parser.add_argument("--fla", action="store_true", help="also list FLA's kernels")
     parser.add_argument(
+        "--kernels", action="store_true", help="also list the kernels of our chunk_kda step"
+    )
+    parser.add_argument(
         "--configs",
         type=lambda x: x.split(","),
         default=["16x4"],
-        help="chunk_prepare block_k x num_warps list (PrepareBlockSizes), e.g. 16x4,32x4",
+        help="chunk_prepare block_k x num_warps [x inverse_warps] list (PrepareBlockSizes; "
+        "inverse_warps 2 when left out), e.g. 16x4,16x4x4",
     )
     parser.add_argument(
         "--scan-configs",
@@ -117,9 +125,13 @@ def main():
         except Exception as e:  # noqa: BLE001
             fla = None
             print(f"FLA unavailable: {type(e).__name__}: {e}")
-        run = functools.partial(
-            common.time_loop, functools.partial(_core_step, inputs, lb), h0 + 0.0, 10, 3
-        )
+        core_step = functools.partial(_core_step, inputs, lb)
+        if args.kernels:
+            prof = profile_case(core_step, h0 + 0.0, 5)
+            print(f"ours {gate}: busy {prof['busy_us']} us, span {prof['span_us']} us per step")
+            for r in prof["kernels"]:
+                print(f"   {r['per_step']:6.2f} x {r['mean_us']:9.1f} us  {r['name']}")
+        run = functools.partial(common.time_loop, core_step, h0 + 0.0, 10, 3)
         common.run_case(
             records,
             meta,

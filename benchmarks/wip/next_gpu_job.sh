@@ -17,8 +17,7 @@ run() {  # run DIR LABEL CMD...: one step in a tree, with its own time limit
   echo "$label: rc=$? $(tail -n 1 "$OUT/$label.log")"
 }
 if [ "$what" = prefill ]; then
-  (cd "$wip" && git apply benchmarks/wip/prepare_inverse_kernel.patch \
-    && git apply benchmarks/wip/scan_split.patch) || exit 1
+  (cd "$wip" && git apply benchmarks/wip/prefill_both.patch) || exit 1
   run "$base" stages_base python3 benchmarks/stage_profile.py --configs 16x4 \
     --scan-configs 32x4x2 --out "$OUT/stages_base.json"
   run "$wip" stages_wip python3 benchmarks/stage_profile.py --configs 16x4,16x4x4 \
