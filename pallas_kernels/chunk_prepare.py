@@ -13,27 +13,23 @@ products per chunk and nothing else:
     qg      = s q exp(G),  kg = k exp(G_last - G),  gl = exp(G_last)
 
 Structure (registers decide the speed here: the first version held the [C, K] chunk and whole
-[sub, sub] tile sets in registers, spilled, and ran 2-3x slower). Four phases in three kernels
-(four with the unbounded gate's `kda_chunk_diag`), each kernel with its own registers and so its
-own occupancy:
-  1. (`kda_chunk_prepare`) G = chunk cumsum of the gate, per column slice of `block_k`, into a
-     private fp32 scratch (an extra output the wrapper passes on), with qg, kg and exp(G_last)
-     written on the way, and the row scales beta/||k||, beta of w and u into a [C, 2] output.
-  2. (`kda_chunk_prepare`) Scores one sub-block of rows at a time: [sub, C] accumulators summed
-     over the column slices (loops, not unrolled), stored as rows of A and, for L, into a [C, C]
-     output (blocks above the diagonal not stored).
-  3. (`kda_chunk_inverse`) T = (I + L)^-1 from L's [sub, sub] blocks, into a [C, C] output: a
-     dependent chain of about 50 small full-fp32 dots with a barrier per block row, latency-bound,
-     so it runs apart from phases 1-2 (117-118 registers, 4 programs/SM) at 2 warps and 101
-     registers (10 programs/SM by registers), more chains in flight per SM. Folded into
-     `kda_chunk_wu` it took that kernel from 48 to 108 registers (ptxas, sm_90a, 2026-12-01).
-  4. (`kda_chunk_wu`, 43-48 registers: H200, 2026-12-01, splitting it off took 1450 -> 966 us for
-     the bounded gate at B=1, T=8192) w and u as whole-chunk products T @ (beta k exp(G)) and
-     T @ (beta v), slice by slice, from T, G and the row scales.
-Within a kernel a barrier (`plt.debug_barrier`, __syncthreads) orders a program's stores before
-other threads of the same program load them (G in `kda_chunk_prepare`, T's block rows in
-`kda_chunk_inverse`); interpret mode runs in order without one. Between kernels the launch
-boundary orders them.
+[sub, sub] tile sets in registers, spilled, and ran 2-3x slower):
+  0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs): the
+     diagonal [sub, sub] blocks of A and L pairwise (see Decay safety); in the main kernel the
+     same loop cost 1.85 of 3.25 ms (H200, B=1, T=8192).
+  1. G = chunk cumsum of the gate, per column slice of `block_k`, into a fp32 scratch output
+     (private to the program until the w/u kernel reads it), with qg, kg and exp(G_last)
+     written on the way.
+  2. Scores one sub-block of rows at a time: [sub, C] accumulators summed over the column
+     slices (loops, not unrolled), stored as rows of A and, for L, into the scratch; the
+     unbounded gate's diagonal blocks come from phase 0.
+  3. T = (I + L)^-1 from the scratch's [sub, sub] blocks, stored back into the scratch.
+  4. In a second kernel (`kda_chunk_wu`, 48 registers against the first one's 128-138, so each
+     has its own occupancy: H200, 2026-12-01, 1450 -> 966 us for the bounded gate at B=1,
+     T=8192), w and u as whole-chunk products T @ (beta k exp(G)) and T @ (beta v), slice by
+     slice, from T, G and the row scales left in the first kernel's scratch.
+Between the phases a barrier (`plt.debug_barrier`, __syncthreads) orders the scratch's stores
+before other threads of the same program load them; interpret mode runs in order without one.
 
 Decay safety (SPEC §5, overflow hazard): every exponent evaluated is <= 0 or bounded far below
 fp32 overflow. Rows of sub-block b use the reference r = b*sub (the block's first row):
@@ -99,16 +95,12 @@ class PrepareBlockSizes:
         than 32 on the bounded gate; ptxas: 144 against 186 registers).
       num_warps: Triton warps per program (8 measured slower than 4).
       diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel.
-      inverse_warps: Triton warps per program of the (I + L)^-1 kernel, a latency-bound chain of
-        small fp32 dots: 2 warps fit 10 programs/SM (ptxas, sm_90a: 101 registers), 4 warps 5
-        (88 registers), 1 warp 8 (255 registers). Not yet timed on a GPU (2026-12-01).
     """
 
     sub: int = 16
     block_k: int = 16
     num_warps: int = 4
     diag_warps: int = 4
-    inverse_warps: int = 2
 
 
 def _rows_and_cols(n: int):
@@ -215,7 +207,6 @@ def _chunk_prepare_kernel(
     gl_ref,
     l_scr_ref,
     g_scr_ref,
-    rs_scr_ref,
     *,
     scale: float,
     lower_bound: float | None,
@@ -228,10 +219,10 @@ def _chunk_prepare_kernel(
     len_ref: [Bp] int32; q_ref, k_ref, f_ref: [C, K]; b_ref: [C]; ea_ref (exp A_log
     broadcast over K), dt_ref: [K]; diag_a_ref, diag_l_ref: [C, sub] fp32, the diagonal blocks'
     pairwise scores from `_diag_pairwise_kernel` (unbounded gate; unused otherwise).
-    Outputs: qg_ref, kg_ref: [C, K]; a_ref: [C, C]; gl_ref: [1, K]. Scratch outputs (fp32) for
-    the next kernels: l_scr_ref [C, C] L, blocks on and below the diagonal only
-    (`_chunk_inverse_kernel`); g_scr_ref [C, K] G (read back by phase 2 too); rs_scr_ref [C, 2]
-    beta/||k|| and beta (`_chunk_wu_kernel`).
+    Outputs: qg_ref, kg_ref: [C, K]; a_ref: [C, C]; gl_ref: [1, K]. Scratch outputs, private to
+    this program until `_chunk_wu_kernel` reads them (fp32): l_scr_ref [C, 2C] holds L then T
+    (columns C..2C) and, at the end, beta/||k|| and beta in columns 0 and 1; g_scr_ref [C, K]
+    holds G.
     """
     c, kd = q_ref.shape
     nb, bk = c // sub, block_k
@@ -275,8 +266,6 @@ def _chunk_prepare_kernel(
     rq, rk = inv_norm(q_ref), inv_norm(k_ref)
     beta = jnp.where(valid[:, 0], beta_math(plt.load(b_ref, mask=valid[:, 0], other=0.0)), 0.0)
     beta = beta[:, None]
-    rs_scr_ref[:, pl.ds(0, 1)] = beta * rk  # the row scales of w and u (`_chunk_wu_kernel`)
-    rs_scr_ref[:, pl.ds(1, 1)] = beta
 
     # 1. G = chunk-local cumulative log-decay into the scratch, qg, kg and exp(G_last) out.
     def cumulative(cols, carry):
@@ -327,63 +316,49 @@ def _chunk_prepare_kernel(
         )
         a_rows = jnp.where(cols_c <= row_ids, scale * acc_a, 0.0).astype(a_ref.dtype)
         l_rows = jnp.where(cols_c < row_ids, beta_b * acc_l, 0.0)
-        # L's blocks above the diagonal are not stored: `_chunk_inverse_kernel` never reads them.
         if pairwise:  # the diagonal block beside the rest of the rows (disjoint addresses)
             diag_a, diag_l = diag_a_ref[rows, :], diag_l_ref[rows, :]
-            plt.store(a_ref.at[rows, :], a_rows, mask=cols_c // sub != blk)
-            plt.store(l_scr_ref.at[rows, :], l_rows, mask=cols_c < blk * sub)
+            off = cols_c // sub != blk
+            plt.store(a_ref.at[rows, :], a_rows, mask=off)
+            plt.store(l_scr_ref.at[rows, pl.ds(0, c)], l_rows, mask=off)
             a_ref[rows, pl.ds(blk * sub, sub)] = (scale * diag_a).astype(a_ref.dtype)
             l_scr_ref[rows, pl.ds(blk * sub, sub)] = jnp.where(rs > cs, beta_b * diag_l, 0.0)
         else:
             a_ref[rows, :] = a_rows
-            plt.store(l_scr_ref.at[rows, :], l_rows, mask=cols_c < (blk + 1) * sub)
-    # 3. T = (I + L)^-1 and 4. w, u are the next kernels' (module docstring): L, G and the row
-    # scales leave through the scratch outputs, whose stores the end of the program completes.
+            l_scr_ref[rows, pl.ds(0, c)] = l_rows
+    common.barrier()
 
-
-def _chunk_inverse_kernel(l_ref, t_ref, *, sub: int):
-    """Phase 3 of the prepare stage, T = (I + L)^-1: one (sequence, chunk, head).
-
-    l_ref: [C, C] fp32, L (strictly lower; only its blocks on and below the diagonal are read).
-    Output: t_ref [C, C] fp32, T's [sub, sub] blocks on and below the diagonal (those above are
-    never written: `_chunk_wu_kernel` masks them to 0). The diagonal blocks by
-    `_unit_lower_inverse`, the others by block forward substitution
-    T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ, every dot in full fp32 (no TF32). A dependent chain of
-    about 50 small dots: a kernel of its own (few registers, many programs per SM to hide the
-    chain's latency) rather than a phase of `_chunk_prepare_kernel`, where it ran at that kernel's
-    occupancy (4 programs/SM), or of `_chunk_wu_kernel` (108 registers against 48 with it there).
-    """
-    nb = l_ref.shape[0] // sub
-
+    # 3. T = (I + L)^-1 by sub-blocks (T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ), into the scratch.
     def l_blk(i, j):
-        return l_ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)]
+        return l_scr_ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)]
 
     def t_blk(i, j):
-        return t_ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)]
+        return l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + j * sub, sub)]
 
     for i in range(nb):  # row i needs T of rows < i only: stored and fenced by then
         t_ii = _unit_lower_inverse(l_blk(i, i), sub=sub)
-        t_ref[pl.ds(i * sub, sub), pl.ds(i * sub, sub)] = t_ii
+        l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + i * sub, sub)] = t_ii
         for j in range(i - 1, -1, -1):
             acc = sum(
                 jnp.dot(l_blk(i, m), t_blk(m, j), precision=HI, preferred_element_type=f32)
                 for m in range(j, i)
             )
             t_ij = -jnp.dot(t_ii, acc, precision=HI, preferred_element_type=f32)
-            t_ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)] = t_ij
-        if i < nb - 1:  # T's row i is read back by the rows below it (other threads)
-            common.barrier()
+            l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + j * sub, sub)] = t_ij
+        common.barrier()
+
+    # 4. w and u are `_chunk_wu_kernel`'s; L is dead by now (fenced): its columns 0 and 1 hand
+    # over the row scales of w and u.
+    l_scr_ref[:, pl.ds(0, 1)] = beta * rk
+    l_scr_ref[:, pl.ds(1, 1)] = beta
 
 
-def _chunk_wu_kernel(
-    len_ref, k_ref, v_ref, t_ref, g_ref, rs_ref, w_ref, u_ref, *, sub: int, block_k: int
-):
+def _chunk_wu_kernel(len_ref, k_ref, v_ref, t_ref, g_ref, w_ref, u_ref, *, sub, block_k):
     """Phase 4 of the prepare stage: one (sequence, chunk, head).
 
-    len_ref: [Bp] int32; k_ref: [C, K]; v_ref: [C, V]; t_ref: [C, C] fp32, T from
-    `_chunk_inverse_kernel` (blocks above the diagonal unwritten); g_ref: [C, K] fp32, G;
-    rs_ref: [C, 2] fp32, the row scales beta/||k|| and beta (0 at pads) from
-    `_chunk_prepare_kernel`. Outputs: w_ref [C, K] = T (beta k exp(G)), u_ref [C, V] = T (beta v).
+    len_ref: [Bp] int32; k_ref: [C, K]; v_ref: [C, V]; t_ref: [C, 2C] fp32, the prepare
+    kernel's scratch (T in columns C..2C, beta/||k|| and beta in columns 0 and 1); g_ref: [C, K]
+    fp32, G. Outputs: w_ref [C, K] = T (beta k exp(G)), u_ref [C, V] = T (beta v).
     """
     c = k_ref.shape[0]
     seq, chunk_idx = pl.program_id(0), pl.program_id(1)
@@ -393,9 +368,9 @@ def _chunk_wu_kernel(
         return plt.load(ref.at[:, cols], mask=valid, other=0.0).astype(f32)
 
     rows_cc, cols_cc = _rows_and_cols(c)
-    # Blocks of T above the diagonal are never written: 0 by the mask.
-    t_full = plt.load(t_ref, mask=rows_cc // sub >= cols_cc // sub, other=0.0)
-    w_scale, u_scale = rs_ref[:, pl.ds(0, 1)], rs_ref[:, pl.ds(1, 1)]
+    # T from the scratch's columns C..2C; blocks above the diagonal are never written (0).
+    t_full = plt.load(t_ref.at[:, pl.ds(c, c)], mask=rows_cc // sub >= cols_cc // sub, other=0.0)
+    w_scale, u_scale = t_ref[:, pl.ds(0, 1)], t_ref[:, pl.ds(1, 1)]
     _apply_t(
         t_full, w_ref, lambda cols: w_scale * load(k_ref, cols) * jnp.exp(g_ref[:, cols]), block_k
     )
@@ -549,13 +524,12 @@ def _chunk_prepare(
         sub=sub,
         block_k=blk.block_k,
     )
-    # The last three outputs are the kernel's scratch: L, G and the row scales of w and u.
+    # The last two outputs are the kernel's scratch: L then T, and G.
     scr_shape = (
-        jax.ShapeDtypeStruct((bsz, h, tp, chunk), f32),
+        jax.ShapeDtypeStruct((bsz, h, tp, 2 * chunk), f32),
         jax.ShapeDtypeStruct((bsz, h, tp, kd), f32),
-        jax.ShapeDtypeStruct((bsz, h, tp, 2), f32),
     )
-    scr_specs = (inter(chunk), inter(kd), inter(2))
+    scr_specs = (inter(2 * chunk), inter(kd))
     kept = [name for name in ChunkIntermediates._fields if name not in ("w", "u")]
     res = pl.pallas_call(
         kernel,
@@ -577,18 +551,7 @@ def _chunk_prepare(
         name="kda_chunk_prepare",
         interpret=common.interpret(),
     )(lens, q, k, f4, b, ea, dt, diag_a, diag_l)
-    outs = dict(zip(kept, res[:-3], strict=True))
-    l_mat, g_mat, row_scales = res[-3:]
-    t_mat = pl.pallas_call(
-        functools.partial(_chunk_inverse_kernel, sub=sub),
-        out_shape=scr_shape[0],
-        grid=(bsz, n, h),
-        in_specs=[scr_specs[0]],
-        out_specs=scr_specs[0],
-        compiler_params=plt.CompilerParams(num_warps=blk.inverse_warps, num_stages=1),
-        name="kda_chunk_inverse",
-        interpret=common.interpret(),
-    )(l_mat)
+    outs = dict(zip(kept, res[:-2], strict=True))
     outs["w"], outs["u"] = pl.pallas_call(
         functools.partial(_chunk_wu_kernel, sub=sub, block_k=blk.block_k),
         out_shape=(out_shape.w, out_shape.u),
@@ -603,5 +566,5 @@ def _chunk_prepare(
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),
         name="kda_chunk_wu",
         interpret=common.interpret(),
-    )(lens, k, v, t_mat, g_mat, row_scales)
+    )(lens, k, v, *res[-2:])
     return ChunkIntermediates(**outs)

@@ -362,8 +362,7 @@ def test_prepare_lowers_for_h200(lower_bound):
         *a, scale=kd**-0.5, chunk=64, lower_bound=lower_bound, mm_dtype=bf16, l2_eps=1e-6
     )
     text = lower_for_h200(fn, *args)
-    for name in ("kda_chunk_prepare", "kda_chunk_inverse", "kda_chunk_wu"):
-        assert name in text, name
+    assert "kda_chunk_prepare" in text and "kda_chunk_wu" in text
     assert ("kda_chunk_diag" in text) == (lower_bound is None)
 
 

@@ -17,18 +17,10 @@ import ptxas_report  # noqa: E402
     "case, kernels",
     [
         ("scan", [("kda_chunk_scan", 4, 2)]),
-        (
-            "prepare-bounded",
-            [("kda_chunk_prepare", 4, 1), ("kda_chunk_inverse", 2, 1), ("kda_chunk_wu", 4, 1)],
-        ),
+        ("prepare-bounded", [("kda_chunk_prepare", 4, 1), ("kda_chunk_wu", 4, 1)]),
         (
             "prepare-unbounded",
-            [
-                ("kda_chunk_diag", 4, 1),
-                ("kda_chunk_prepare", 4, 1),
-                ("kda_chunk_inverse", 2, 1),
-                ("kda_chunk_wu", 4, 1),
-            ],
+            [("kda_chunk_diag", 4, 1), ("kda_chunk_prepare", 4, 1), ("kda_chunk_wu", 4, 1)],
         ),
     ],
 )
