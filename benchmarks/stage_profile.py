@@ -5,7 +5,7 @@ chunk_scan alone over the block sizes given, with --fla FLA's kernels one by one
 
     python benchmarks/stage_profile.py --out PATH [--t T] [--fla] [--kernels]
                                        [--gates bounded,unbounded]
-                                       [--configs 16x4,32x4]
+                                       [--configs default,num_stages=2+wu_stages=2]
                                        [--scan-configs 32x4x2,64x4x2 | none]
 """
 
@@ -16,6 +16,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import sys  # noqa: E402
 
@@ -68,9 +69,21 @@ def fla_kernels(inputs, lower_bound):
 
 
 def prepare_block_sizes(config: str) -> PrepareBlockSizes:
-    """`--configs` entry "BKxW" (block_k x num_warps) -> PrepareBlockSizes."""
-    bk, warps = (int(n) for n in config.split("x"))
-    return PrepareBlockSizes(sub=16, block_k=bk, num_warps=warps)
+    """`--configs` entry -> PrepareBlockSizes: "default", or fields changed from the default as
+    "+"-joined name=value pairs, e.g. "num_stages=2+wu_stages=2" or "block_k=32"."""
+    if config == "default":
+        return PrepareBlockSizes()
+    fields = {f.name for f in dataclasses.fields(PrepareBlockSizes)}
+    changes = {}
+    for pair in config.split("+"):
+        name, _, value = pair.partition("=")
+        if name not in fields or not value.isdigit():
+            raise SystemExit(
+                f"stage_profile: bad --configs entry {pair!r}; expected name=int with name one "
+                f"of {sorted(fields)}"
+            )
+        changes[name] = int(value)
+    return dataclasses.replace(PrepareBlockSizes(), **changes)
 
 
 def main():
@@ -84,8 +97,9 @@ def main():
     parser.add_argument(
         "--configs",
         type=lambda x: x.split(","),
-        default=["16x4"],
-        help="chunk_prepare block_k x num_warps list (PrepareBlockSizes), e.g. 16x4,32x4",
+        default=["default"],
+        help="chunk_prepare PrepareBlockSizes list: default, or name=value pairs joined by +, "
+        "e.g. default,num_stages=2,wu_block_k=32+wu_stages=2",
     )
     parser.add_argument(
         "--scan-configs",

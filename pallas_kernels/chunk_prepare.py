@@ -94,13 +94,22 @@ class PrepareBlockSizes:
         hold little besides the [sub, C] score rows (H200, 2026-12-01: 16 measured 7% faster
         than 32 on the bounded gate; ptxas: 144 against 186 registers).
       num_warps: Triton warps per program (8 measured slower than 4).
+      num_stages: Triton software-pipelining depth of the slice loops' loads (ptxas, sm_90a:
+        1 -> 128 registers, 4 programs/SM; 2 -> 142 registers and 13 KB of shared memory for
+        the pipelined loads, 3 programs/SM; not yet timed above 1).
       diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel.
+      wu_block_k, wu_warps, wu_stages: block_k, num_warps and num_stages of the w/u kernel
+        (48 registers at 16 x 4 x 1, so it has room for wider slices and deeper pipelines).
     """
 
     sub: int = 16
     block_k: int = 16
     num_warps: int = 4
+    num_stages: int = 1
     diag_warps: int = 4
+    wu_block_k: int = 16
+    wu_warps: int = 4
+    wu_stages: int = 1
 
 
 def _rows_and_cols(n: int):
@@ -397,11 +406,13 @@ def _check_shapes(q, k, v, f, b, lengths, a_log, dt_bias, chunk, blk):
             raise ValueError(f"chunk_prepare: {name}={n} must be a power of two >= 16")
     if chunk % blk.sub:
         raise ValueError(f"chunk_prepare: chunk={chunk} must be a multiple of sub={blk.sub}")
-    if blk.block_k < 16 or blk.block_k & (blk.block_k - 1) or kd % blk.block_k or vd % blk.block_k:
-        raise ValueError(
-            f"chunk_prepare: block_k={blk.block_k} must be a power of two >= 16 dividing "
-            f"K={kd} and V={vd}"
-        )
+    for name in ("block_k", "wu_block_k"):
+        bk = getattr(blk, name)
+        if bk < 16 or bk & (bk - 1) or kd % bk or vd % bk:
+            raise ValueError(
+                f"chunk_prepare: {name}={bk} must be a power of two >= 16 dividing "
+                f"K={kd} and V={vd}"
+            )
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk", "lower_bound", "mm_dtype", "l2_eps"))
@@ -547,13 +558,13 @@ def _chunk_prepare(
             diag_spec,
         ],
         out_specs=(*(getattr(out_specs, n) for n in kept), *scr_specs),
-        compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
         name="kda_chunk_prepare",
         interpret=common.interpret(),
     )(lens, q, k, f4, b, ea, dt, diag_a, diag_l)
     outs = dict(zip(kept, res[:-2], strict=True))
     outs["w"], outs["u"] = pl.pallas_call(
-        functools.partial(_chunk_wu_kernel, sub=sub, block_k=blk.block_k),
+        functools.partial(_chunk_wu_kernel, sub=sub, block_k=blk.wu_block_k),
         out_shape=(out_shape.w, out_shape.u),
         grid=(bsz, n, h),
         in_specs=[
@@ -563,7 +574,7 @@ def _chunk_prepare(
             *scr_specs,
         ],
         out_specs=(out_specs.w, out_specs.u),
-        compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=blk.wu_warps, num_stages=blk.wu_stages),
         name="kda_chunk_wu",
         interpret=common.interpret(),
     )(lens, k, v, *res[-2:])

@@ -131,13 +131,21 @@ def test_prepare_fused_l2(rng):
         assert_close(getattr(got, name), getattr(want, name), FP32_TOL, name)
 
 
+@pytest.mark.parametrize(
+    "blk",
+    [
+        PrepareBlockSizes(sub=16, block_k=16),
+        PrepareBlockSizes(sub=16, block_k=16, num_stages=2, wu_block_k=32, wu_stages=2),
+    ],
+    ids=["default", "pipelined"],
+)
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
-def test_prepare_column_slices(rng, lower_bound):
+def test_prepare_column_slices(rng, lower_bound, blk):
     """K and V streamed in two slices (block_k=16 of 32) over four sub-blocks (chunk 64), with
-    the L2 norm fused: the scores summed slice by slice equal the reference."""
+    the L2 norm fused: the scores summed slice by slice equal the reference; also with the w/u
+    kernel on one 32-wide slice and both kernels' loads pipelined (stages matter on a GPU)."""
     q, k, v, f, beta, lengths, a_log, dt_bias = _prep_args(_inputs(rng))
     kw = dict(scale=K**-0.5, chunk=64, lower_bound=lower_bound, mm_dtype=f32)
-    blk = PrepareBlockSizes(sub=16, block_k=16)
     got = _chunk_prepare(
         3.0 * q, 0.5 * k, v, f, beta, lengths, a_log, dt_bias, **kw, l2_eps=1e-6, blk=blk
     )
@@ -148,9 +156,10 @@ def test_prepare_column_slices(rng, lower_bound):
         assert_close(getattr(got, name), getattr(want, name), FP32_TOL, name)
 
 
-def test_prepare_rejects_bad_block_k(rng):
+@pytest.mark.parametrize("name", ["block_k", "wu_block_k"])
+def test_prepare_rejects_bad_block_k(rng, name):
     args = _prep_args(_inputs(rng))
-    with pytest.raises(ValueError, match="block_k=24 must be a power of two"):
+    with pytest.raises(ValueError, match=f"{name}=24 must be a power of two"):
         _chunk_prepare(
             *args,
             scale=K**-0.5,
@@ -158,7 +167,7 @@ def test_prepare_rejects_bad_block_k(rng):
             lower_bound=None,
             mm_dtype=f32,
             l2_eps=None,
-            blk=PrepareBlockSizes(block_k=24),
+            blk=PrepareBlockSizes(**{name: 24}),
         )
 
 
