@@ -78,7 +78,7 @@ def prepare_block_sizes(config: str) -> PrepareBlockSizes:
     for pair in config.split("+"):
         name, _, value = pair.partition("=")
         if name not in fields or not value.isdigit():
-            raise SystemExit(
+            raise ValueError(
                 f"stage_profile: bad --configs entry {pair!r}; expected name=int with name one "
                 f"of {sorted(fields)}"
             )

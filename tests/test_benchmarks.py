@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from pallas_kernels.chunk_prepare import PrepareBlockSizes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["bench_decode", "bench_gemv", "bench_prefill", "decode_profile", "stage_profile"]
 
@@ -30,7 +32,10 @@ def test_stage_profile_configs_build_block_sizes():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import stage_profile
 
-    blk = stage_profile.prepare_block_sizes("32x8")
-    assert (blk.block_k, blk.num_warps) == (32, 8)
-    with pytest.raises(ValueError):
-        stage_profile.prepare_block_sizes("16x4+split")
+    assert stage_profile.prepare_block_sizes("default") == PrepareBlockSizes()
+    blk = stage_profile.prepare_block_sizes("block_k=32+num_warps=8+wu_stages=2")
+    assert (blk.block_k, blk.num_warps, blk.wu_stages) == (32, 8, 2)
+    assert blk.wu_block_k == PrepareBlockSizes().wu_block_k
+    for bad in ("32x8", "split=1", "num_stages=two"):
+        with pytest.raises(ValueError, match="bad --configs entry"):
+            stage_profile.prepare_block_sizes(bad)
