@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The next GPU session's first jobs: benchmarks/wip/prepare_latency.patch timed against the tree
+# it applies to, in one job, and its compiled tests (run from the repo root on the device
+# machine; results in $OUT).
+#   bash benchmarks/wip/next_gpu_job.sh stages   # ~6 min: base and patched, bounded + unbounded
+#   bash benchmarks/wip/next_gpu_job.sh tests    # ~2 min: compiled test_chunk, patched tree
+set -uo pipefail
+what=${1:?stages or tests}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+base=$PWD; wip=/tmp/wip_tree
+rm -rf "$wip"; cp -r "$base" "$wip"
+(cd "$wip" && git apply benchmarks/wip/prepare_latency.patch) || exit 1
+run() {  # run DIR LABEL SECONDS CMD...: one step in a tree, with its own time limit
+  local dir=$1 label=$2 limit=$3; shift 3
+  (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "$limit" "$@") > "$OUT/$label.log" 2>&1
+  echo "$label: rc=$? $(tail -n 1 "$OUT/$label.log")"
+}
+if [ "$what" = stages ]; then
+  run "$base" stages_base 150 python3 benchmarks/stage_profile.py --kernels \
+    --scan-configs none --out "$OUT/stages_base.json"
+  run "$wip" stages_wip 330 python3 benchmarks/stage_profile.py --kernels --scan-configs none \
+    --configs default,num_stages=2,wu_block_k=32+wu_stages=2 --out "$OUT/stages_wip.json"
+else
+  run "$wip" tests_wip 300 python3 -m pytest -q -p no:cacheprovider -p no:warnings -rfE \
+    tests/test_chunk.py
+fi
