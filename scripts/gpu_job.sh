@@ -27,7 +27,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for b in prefill decode gemv; do
-    timeout 300 python3 benchmarks/bench_$b.py --quick --out "$OUT/bench_$b.json" \
+    timeout 360 python3 benchmarks/bench_$b.py --quick --out "$OUT/bench_$b.json" \
       > "$OUT/bench_$b.log" 2>&1 || rc=1
     grep -E "^(prefill|decode|chunk|gemv)" "$OUT/bench_$b.log" | head -40
   done
