@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The next GPU session's first jobs: benchmarks/wip/prepare_latency.patch timed against the tree
-# it applies to, in one job, and its compiled tests (run from the repo root on the device
-# machine; results in $OUT).
+# The next GPU session's first jobs: benchmarks/wip/prepare_latency.patch and diag_rows.patch
+# (both applied) timed against the tree they apply to, in one job, and their compiled tests (run
+# from the repo root on the device machine; results in $OUT). The kernel lists (--kernels) give
+# each patched kernel's time apart: kda_chunk_prepare for the first, kda_chunk_diag for the
+# second (unbounded gate only).
 #   bash benchmarks/wip/next_gpu_job.sh stages   # ~6 min: base and patched, bounded + unbounded
 #   bash benchmarks/wip/next_gpu_job.sh tests    # ~2 min: compiled test_chunk, patched tree
 set -uo pipefail
@@ -13,7 +15,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 base=$PWD; wip=/tmp/wip_tree
 rm -rf "$wip"; cp -r "$base" "$wip"
-(cd "$wip" && git apply benchmarks/wip/prepare_latency.patch) || exit 1
+(cd "$wip" && git apply benchmarks/wip/prepare_latency.patch \
+  && git apply benchmarks/wip/diag_rows.patch) || exit 1
 run() {  # run DIR LABEL SECONDS CMD...: one step in a tree, with its own time limit
   local dir=$1 label=$2 limit=$3; shift 3
   (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "$limit" "$@") > "$OUT/$label.log" 2>&1
