@@ -52,9 +52,11 @@ class RecurrentBlockSizes:
     @staticmethod
     def default_for(batch: int, heads: int, k: int, v: int) -> RecurrentBlockSizes:
         """V tiles of 32 columns: 4x the programs of whole heads (B=1, H=32 is 128 programs),
-        which measured faster on the H200 at B = 1 and 64 even with RMSNorm as a second launch
-        (benchmarks/results). Never depends on R (bit-equality)."""
-        return RecurrentBlockSizes.with_block_v(k, min(v, 32))
+        which measured faster on the H200 at B = 1 and 64 than whole heads even with RMSNorm as
+        a second launch; 64 columns once B*H >= 1024 sequence-heads fill the GPU anyway (H200,
+        2026-12-01, decode core at B=64, H=32 in one job: 91.5 us against 96.9 for 32; B = 8..31
+        not timed, so they keep 32). Never depends on R (bit-equality)."""
+        return RecurrentBlockSizes.with_block_v(k, min(v, 64 if batch * heads >= 1024 else 32))
 
     @staticmethod
     def with_block_v(k: int, block_v: int) -> RecurrentBlockSizes:

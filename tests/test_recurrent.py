@@ -195,3 +195,12 @@ def test_recurrent_lowers_for_h200():
         lambda *a: recurrent(*a, scale=128**-0.5, snapshots=True), q, k, v, -0.1 * q, b, state
     )
     assert "kda_recurrent" in text
+
+
+def test_default_block_v_follows_batch_not_rows():
+    """V tile 32 at small B*H, 64 once B*H >= 1024 (measured at B=64, H=32), capped at V."""
+    assert RecurrentBlockSizes.default_for(1, 32, 128, 128).block_v == 32
+    assert RecurrentBlockSizes.default_for(31, 32, 128, 128).block_v == 32
+    assert RecurrentBlockSizes.default_for(64, 32, 128, 128).block_v == 64
+    assert RecurrentBlockSizes.default_for(64, 32, 128, 32).block_v == 32
+    assert RecurrentBlockSizes.default_for(64, 32, 128, 128).num_warps == 8
