@@ -197,9 +197,9 @@ def prefill(
         qk_channels=cfg.qk_channels,
         head_dim=cfg.head_dim,
         l2_eps=cfg.l2_eps,
+        splits=(cfg.qkv_dim,) * 3,  # q, k, v written apart by the kernel: no slice copies
     )
-    p = cfg.qkv_dim
-    q, k, v = (_heads(cfg, conv_out[..., i * p : (i + 1) * p]) for i in range(3))
+    q, k, v = (_heads(cfg, a) for a in conv_out)
     y, rec = st.prefill_core(
         q,
         k,

@@ -10,11 +10,11 @@ in order inside the kernel with the W-1 previous raw inputs carried in registers
 decode and prefill alike, goes through `_conv_row`, the one place the arithmetic order is fixed,
 so R rows of one `conv_decode` call give the bits of R serial 1-row calls.
 
-conv_decode can hand its output back as separate channel ranges (`splits`: q, k, v, each
-written by the programs whose tiles fall in it, so the block never copies slices of it), and a
-one-row call writes the new conv state over the old one (`input_output_aliases`: each program
-reads its tile of the state, passes a barrier, then writes the same tile), which spares a decode
-loop the copy of its carried state.
+conv_decode and conv_prefill can hand their output back as separate channel ranges (`splits`:
+q, k, v, each written by the programs whose tiles fall in it, so the block never copies slices
+of it), and a one-row conv_decode call writes the new conv state over the old one
+(`input_output_aliases`: each program reads its tile of the state, passes a barrier, then
+writes the same tile), which spares a decode loop the copy of its carried state.
 
 Conv state layout (`KdaState.conv`): [B, W-1, C] fp32, oldest first (`[:, -1]` = previous row).
 """
@@ -107,20 +107,45 @@ def _conv_decode_kernel(x_ref, state_ref, *refs, rows, width, qk_groups, l2_eps,
     for r in range(rows):
         x_row = x_ref[r].astype(f32)
         y = _conv_row(window, x_row, taps, qk_mask, l2_eps)
-        if len(out_refs) == 1:
-            out_refs[0][r] = y
-        else:
-            for s, out_ref in enumerate(out_refs):
-
-                def store(out_ref=out_ref, r=r, y=y):
-                    out_ref[r] = y
-
-                pl.when((j >= tiles[s]) & (j < tiles[s + 1]))(store)
+        _store_segment(out_refs, tiles, j, r, y)
         window = window[1:] + [x_row]
         if in_place:
             common.barrier()
         for i in range(width - 1):
             states_ref[r, i] = window[i]
+
+
+def _store_segment(out_refs, tiles, j, row, y):
+    """out_refs[s][row] = y for the segment s whose channel tiles [tiles[s], tiles[s+1]) hold
+    this program's tile j (the other segments' refs point at a clamped tile: not written)."""
+    if len(out_refs) == 1:
+        out_refs[0][row] = y
+        return
+    for s, out_ref in enumerate(out_refs):
+
+        def store(out_ref=out_ref):
+            out_ref[row] = y
+
+        pl.when((j >= tiles[s]) & (j < tiles[s + 1]))(store)
+
+
+def _segments(splits, c: int, lanes: int, what: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(widths, tiles) of the output segments: `splits` (or the whole C) and the first channel
+    tile of each segment plus the end; each width a positive multiple of the tile's lanes."""
+    widths = (c,) if splits is None else tuple(int(v) for v in splits)
+    if sum(widths) != c or any(v <= 0 or v % lanes for v in widths):
+        raise ValueError(
+            f"{what}: splits={splits}: expected positive multiples of the {lanes}-channel "
+            f"tile summing to C={c}"
+        )
+    return widths, common.bounds(v // lanes for v in widths)
+
+
+def _segment_spec(block, tiles, s: int, index):
+    """BlockSpec of output segment s: `index(ids, tile)` places the program's tile, clamped into
+    the segment (programs of other segments get a clamped block they never write)."""
+    lo, hi = tiles[s], tiles[s + 1]
+    return pl.BlockSpec(block, lambda *ids: index(ids, jnp.clip(ids[1] - lo, 0, hi - lo - 1)))
 
 
 def _tap_specs(width: int, hb: int, k: int, index_of_group):
@@ -186,14 +211,7 @@ def conv_decode(
     hb = blk.block_heads
     if groups % hb:
         raise ValueError(f"conv_decode: block_heads={hb} must divide the {groups} head groups")
-    widths = (c,) if splits is None else tuple(int(v) for v in splits)
-    lanes = hb * k
-    if sum(widths) != c or any(v <= 0 or v % lanes for v in widths):
-        raise ValueError(
-            f"conv_decode: splits={splits}: expected positive multiples of the {lanes}-channel "
-            f"tile summing to C={c}"
-        )
-    tiles = common.bounds(v // lanes for v in widths)
+    widths, tiles = _segments(splits, c, hb * k, "conv_decode")
     one_row = r == 1  # then the new state is written over the old one (below)
     kernel = functools.partial(
         _conv_decode_kernel,
@@ -204,12 +222,6 @@ def conv_decode(
         tiles=tiles,
         in_place=one_row,
     )
-
-    def out_spec(s):
-        lo, hi = tiles[s], tiles[s + 1]
-        return pl.BlockSpec(
-            (None, r, hb, k), lambda i, j: (i, 0, jnp.clip(j - lo, 0, hi - lo - 1), 0)
-        )
 
     # One row: the new state has the shape of the old one, so it is written in place (each
     # program reads its tile of the state, then a barrier, then writes the same tile), which
@@ -233,7 +245,10 @@ def conv_decode(
             *_tap_specs(width, hb, k, lambda i, j: j),
         ],
         out_specs=(
-            *(out_spec(s) for s in range(len(widths))),
+            *(
+                _segment_spec((None, r, hb, k), tiles, s, lambda ids, g: (ids[0], 0, g, 0))
+                for s in range(len(widths))
+            ),
             pl.BlockSpec((None, r, width - 1, hb, k), lambda i, j: (i, 0, 0, j, 0)),
         ),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),
@@ -246,16 +261,18 @@ def conv_decode(
 
 
 def _conv_prefill_kernel(
-    len_ref, x_ref, state_ref, *refs, width, block_t, t_total, qk_groups, l2_eps
+    len_ref, x_ref, state_ref, *refs, width, block_t, t_total, qk_groups, l2_eps, tiles
 ):
     """len_ref: [1] int32 (this sequence); x_ref: [T, HB, K] (the whole sequence, rows loaded one
-    at a time); state_ref: [W-1, HB, K]; refs: W tap refs [HB, K], then out_ref [T, HB, K] and
-    new_state_ref [W-1, HB, K]."""
-    tap_refs, (out_ref, new_state_ref) = refs[:width], refs[width:]
+    at a time); state_ref: [W-1, HB, K]; refs: W tap refs [HB, K], then one out ref [T, HB, K]
+    per output segment (`tiles`: as in `_conv_decode_kernel`) and new_state_ref [W-1, HB, K]."""
+    tap_refs, out_refs, new_state_ref = refs[:width], refs[width:-1], refs[-1]
+    j = pl.program_id(1)  # read here: interpret mode cannot see program_id inside pl.when
     length = len_ref[0]
     taps = [r[...].astype(f32) for r in tap_refs]
     qk_mask = _qk_mask(x_ref.shape[1], qk_groups)
     t0 = pl.program_id(2) * block_t
+    dtype = out_refs[0].dtype
 
     def raw(pos):
         """Raw input at position pos (>= -(W-1)) as fp32: from x, or from the old conv state
@@ -271,7 +288,7 @@ def _conv_prefill_kernel(
 
         @pl.when(t < t_total)
         def _():
-            out_ref[t] = jnp.where(t < length, y, 0.0).astype(out_ref.dtype)
+            _store_segment(out_refs, tiles, j, t, jnp.where(t < length, y, 0.0).astype(dtype))
 
         return (*window[1:], x_row)
 
@@ -294,7 +311,8 @@ def conv_prefill(
     head_dim: int,
     l2_eps: float,
     out_dtype=jnp.float32,
-) -> tuple[jax.Array, jax.Array]:
+    splits: tuple[int, ...] | None = None,
+):
     """Causal conv over T padded tokens; the kernel of `reference.conv_prefill_reference`.
 
     Args:
@@ -303,10 +321,11 @@ def conv_prefill(
       conv_state: [B, W-1, C] fp32, oldest first.
       w: [C, W] fp32 taps.
       lengths: [B] int, real tokens per row (0 <= lengths <= T).
-      qk_channels, head_dim, l2_eps: as in `conv_decode`.
+      qk_channels, head_dim, l2_eps, splits: as in `conv_decode`.
       out_dtype: dtype of out.
     Returns:
-      out: [B, T, C] out_dtype, SiLU(conv) with q, k L2-normalised, exactly 0 at pad positions.
+      out: [B, T, C] out_dtype, SiLU(conv) with q, k L2-normalised, exactly 0 at pad positions;
+        with `splits`, a tuple of [B, T, c_s].
       new_state: [B, W-1, C] fp32, the last W-1 raw inputs before position lengths[b] (from the
         old state where lengths[b] < W-1).
     """
@@ -316,10 +335,12 @@ def conv_prefill(
         raise ValueError(f"conv_prefill: lengths has shape {lengths.shape}, expected ({b},)")
     width, k = w.shape[1], head_dim
     groups = c // k
-    if t == 0:
-        return jnp.zeros((b, 0, c), out_dtype), conv_state.astype(f32)
     blk = ConvBlockSizes.default_for(t, groups, k)
     hb, bt = blk.block_heads, blk.block_t
+    widths, tiles = _segments(splits, c, hb * k, "conv_prefill")
+    if t == 0:
+        outs = tuple(jnp.zeros((b, 0, v), out_dtype) for v in widths)
+        return (outs[0] if splits is None else outs), conv_state.astype(f32)
     kernel = functools.partial(
         _conv_prefill_kernel,
         width=width,
@@ -327,13 +348,14 @@ def conv_prefill(
         t_total=t,
         qk_groups=qk_channels // k,
         l2_eps=l2_eps,
+        tiles=tiles,
     )
     seq_spec = pl.BlockSpec((None, t, hb, k), lambda i, j, s: (i, 0, j, 0))
     state_spec = pl.BlockSpec((None, width - 1, hb, k), lambda i, j, s: (i, 0, j, 0))
-    out, new_state = pl.pallas_call(
+    *outs, new_state = pl.pallas_call(
         kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((b, t, groups, k), out_dtype),
+            *(jax.ShapeDtypeStruct((b, t, v // k, k), out_dtype) for v in widths),
             jax.ShapeDtypeStruct((b, width - 1, groups, k), f32),
         ),
         # Time tiles last so a sequence's channel tile is visited by consecutive programs.
@@ -344,7 +366,13 @@ def conv_prefill(
             state_spec,
             *_tap_specs(width, hb, k, lambda i, j, s: j),
         ],
-        out_specs=(seq_spec, state_spec),
+        out_specs=(
+            *(
+                _segment_spec((None, t, hb, k), tiles, s, lambda ids, g: (ids[0], 0, g, 0))
+                for s in range(len(widths))
+            ),
+            state_spec,
+        ),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=2),
         name="kda_conv_prefill",
         interpret=common.interpret(),
@@ -354,4 +382,5 @@ def conv_prefill(
         conv_state.astype(f32).reshape(b, width - 1, groups, k),
         *([w.reshape(groups, k, width)] * width),
     )
-    return out.reshape(b, t, c), new_state.reshape(b, width - 1, c)
+    outs = tuple(o.reshape(b, t, o.shape[2] * k) for o in outs)
+    return (outs[0] if splits is None else outs), new_state.reshape(b, width - 1, c)

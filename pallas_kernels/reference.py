@@ -127,7 +127,8 @@ def conv_prefill_reference(
     head_dim: int,
     l2_eps: float,
     out_dtype=jnp.float32,
-) -> tuple[jax.Array, jax.Array]:
+    splits: tuple[int, ...] | None = None,
+):
     """Causal conv over T padded tokens from the carried conv state.
 
     Args:
@@ -135,8 +136,10 @@ def conv_prefill_reference(
       conv_state: [B, W-1, C] fp32.
       w: [C, W] fp32.
       lengths: [B] int32, real tokens per row (0 <= lengths <= T).
+      splits: channel widths summing to C: return `out` as that many arrays (e.g. q, k, v).
     Returns:
-      out: [B, T, C] out_dtype, SiLU(conv) with q, k L2-normalised, exactly 0 at pad positions.
+      out: [B, T, C] out_dtype, SiLU(conv) with q, k L2-normalised, exactly 0 at pad positions;
+        with `splits`, a tuple of [B, T, c_s].
       new_state: [B, W-1, C] fp32, the last W-1 raw inputs before position lengths[b].
     """
     b, t, c = x.shape
@@ -151,7 +154,7 @@ def conv_prefill_reference(
     # The W-1 inputs before position lengths[b] sit at seq[lengths[b] : lengths[b] + W-1].
     pos = lengths[:, None] + jnp.arange(wdt - 1)[None, :]  # [B, W-1]
     new_state = jnp.take_along_axis(seq, pos[..., None], axis=1)
-    return out, new_state
+    return (out if splits is None else split_last(out, splits)), new_state
 
 
 # --------------------------------------------------------------------------------------------

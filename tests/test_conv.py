@@ -122,6 +122,31 @@ def test_conv_prefill_matches_reference_with_poisoned_pad(rng, pad_value):
     np.testing.assert_array_equal(new_state, new_state_ref)
 
 
+@pytest.mark.parametrize("t", [0, 13])
+def test_conv_prefill_splits_equal_unsplit_bits(rng, t):
+    """splits=(P, P, P): q, k, v written apart by the kernel with the bits of the one-array
+    call's columns (NaN-poisoned pads, a length below W-1, an empty T); bad splits refused."""
+    lengths = jnp.array([t, min(t, 2)], jnp.int32)
+    kx, ks, kw = jax.random.split(rng, 3)
+    x = normal(kx, (2, t, C), jnp.bfloat16)
+    x = jnp.where(jnp.arange(t)[None, :, None] >= lengths[:, None, None], jnp.nan, x)
+    state, w, p = normal(ks, (2, W - 1, C)), _taps(kw), C // 3
+    whole, whole_state = conv_prefill(x, state, w, lengths, **KW)
+    parts, state_s = conv_prefill(x, state, w, lengths, **KW, splits=(p, p, p))
+    parts_ref, _ = conv_prefill_reference(x, state, w, lengths, **KW, splits=(p, p, p))
+    assert len(parts) == 3
+    for i, (part, ref_part) in enumerate(zip(parts, parts_ref, strict=True)):
+        assert part.shape == (2, t, p) and part.dtype == jnp.float32
+        np.testing.assert_array_equal(part, whole[..., i * p : (i + 1) * p])
+        if t:  # (empty parts have nothing to compare)
+            assert_close(part, ref_part, FP32_TOL, f"conv_prefill part {i}")
+    np.testing.assert_array_equal(state_s, whole_state)
+    with pytest.raises(ValueError, match="splits"):
+        conv_prefill(x, state, w, lengths, **KW, splits=(p, p))
+    with pytest.raises(ValueError, match="splits"):
+        conv_prefill(x, state, w, lengths, **KW, splits=(p - K // 2, p + K // 2, p))
+
+
 def test_conv_prefill_then_decode_equals_longer_prefill(rng):
     """Prefill of T tokens == prefill of T-1 tokens, then one decode row (state carried)."""
     t = 9
@@ -192,9 +217,11 @@ def test_conv_decode_lowers_for_h200(rows, splits):
     assert text.count("kda_conv_decode") >= 1 and text.count("xla.gpu.triton") == 1
 
 
-def test_conv_prefill_lowers_for_h200():
+@pytest.mark.parametrize("splits", [None, (4096,) * 3])
+def test_conv_prefill_lowers_for_h200(splits):
     x = jnp.ones((2, 100, 12288), jnp.bfloat16)
     state, w = jnp.ones((2, 3, 12288)), jnp.ones((12288, 4))
     lengths = jnp.array([100, 3], jnp.int32)
-    text = lower_for_h200(lambda *a: conv_prefill(*a, **KIMI), x, state, w, lengths)
-    assert "kda_conv_prefill" in text
+    fn = lambda *a: conv_prefill(*a, **KIMI, splits=splits)  # noqa: E731
+    text = lower_for_h200(fn, x, state, w, lengths)
+    assert "kda_conv_prefill" in text and text.count("xla.gpu.triton") == 1
