@@ -5,7 +5,7 @@
 # each patched kernel's time apart: kda_chunk_prepare for the first, kda_chunk_diag for the
 # second (unbounded gate only).
 #   bash benchmarks/wip/next_gpu_job.sh stages   # ~6 min: base and patched, bounded + unbounded
-#   bash benchmarks/wip/next_gpu_job.sh tests    # ~2 min: compiled test_chunk, patched tree
+#   bash benchmarks/wip/next_gpu_job.sh tests    # ~5 min: compiled tests, base and patched
 set -uo pipefail
 what=${1:?stages or tests}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -27,7 +27,9 @@ if [ "$what" = stages ]; then
     --scan-configs none --out "$OUT/stages_base.json"
   run "$wip" stages_wip 330 python3 benchmarks/stage_profile.py --kernels --scan-configs none \
     --configs default,num_stages=2,wu_block_k=32+wu_stages=2 --out "$OUT/stages_wip.json"
-else
-  run "$wip" tests_wip 300 python3 -m pytest -q -p no:cacheprovider -p no:warnings -rfE \
-    tests/test_chunk.py
+else  # the patched tree's chunk tests, and the base tree's changes since its last compiled run
+  T="python3 -m pytest -q -p no:cacheprovider -p no:warnings -rfE"
+  run "$base" tests_base 300 $T tests/test_conv.py tests/test_recurrent.py \
+    tests/test_forward_pallas.py
+  run "$wip" tests_wip 240 $T tests/test_chunk.py
 fi
