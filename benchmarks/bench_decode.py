@@ -179,7 +179,9 @@ def fla_core_us(b, h, kd, reps):
     return common.cuda_graph_us(call, reps)
 
 
-def bench_core(cfg, batches, n, reps, records, meta):
+def bench_core(cfg, batches, n, reps, records, meta, tiles=None):
+    """Decode core against FLA at each B: the default V tile, then the other tiles (all of
+    V, V/2, V/4, V/8, or `tiles`)."""
     h, kd = cfg.heads, cfg.head_dim
     kw = dict(
         scale=cfg.scale,
@@ -206,7 +208,7 @@ def bench_core(cfg, batches, n, reps, records, meta):
         default = RecurrentBlockSizes.default_for(b, h, kd, kd)
         variants = [(f"pallas[block_v={default.block_v}]", default)] + [
             (f"pallas[block_v={bv}]", RecurrentBlockSizes.with_block_v(kd, bv))
-            for bv in (kd, kd // 2, kd // 4, kd // 8)
+            for bv in (tiles or (kd, kd // 2, kd // 4, kd // 8))
             if bv != default.block_v
         ]
         for name, block in variants:
@@ -270,17 +272,19 @@ def bench_conv(cfg, params, batches, n, reps, records, meta):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file for the list of records")
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer repetitions and core V tiles (32, 64)"
+    )
     args = parser.parse_args()
     cfg = preset("kimi-linear-48b")
     params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
     meta = common.meta()
-    batches = (1, 64) if args.quick else (1, 8, 64)
+    batches = (1, 8, 64)  # the decode targets' sizes, quick or not
     reps = 3 if args.quick else 7
     # 64 steps per loop even when quick: with 16, the B = 1 core's T(3n) - T(n) was noisier
     # than the step itself (2026-12-01, the records' note).
     records = common.Records(args.out)
-    bench_core(cfg, batches, 64, reps, records, meta)
+    bench_core(cfg, batches, 64, reps, records, meta, tiles=(32, 64) if args.quick else None)
     bench_block(cfg, params, batches, 64, reps, records, meta)
     bench_conv(cfg, params, batches, 64, reps, records, meta)
     print(
