@@ -53,7 +53,8 @@ class ScanBlockSizes:
     def default_for(batch: int, heads: int, v: int) -> ScanBlockSizes:
         """BV <= 64 (two pipelined stages of the chunk loads then fit shared memory), halved
         down to 16 until there are B*H*(V/BV) >= 256 programs, two per SM of the GPU (H200,
-        2026-12-01, B=1, T=8192, H=32: BV 16 375 us, 32 400 us, 64 513 us)."""
+        2026-12-01, B=1, T=8192, H=32: BV 16 375 us against 400 for 32 in one job; 64 was
+        slower than 32 in an earlier one, 513 against 414 us)."""
         bv = min(v, 64)
         while bv > 16 and batch * heads * (v // bv) < _FILL_PROGRAMS:
             bv //= 2

@@ -364,12 +364,11 @@ def proj(x: jax.Array, w: jax.Array, *, out_dtype=None, splits: tuple[int, ...] 
     if x.ndim != 2 or x.shape[0] < 1:
         raise ValueError(f"proj: x has shape {tuple(x.shape)}, expected [M, D] with M >= 1")
     m = x.shape[0]
-    if w.ndim == 2:
-        _bounds(w.shape[0], splits)
     if m <= MAX_KERNEL_ROWS:
         what, rng = ("gemv", (1, 1)) if m == 1 else ("gemv_batchm", (2, MAX_KERNEL_ROWS))
         return _run([x], [w], out_dtype, None, splits, what, rng)[0]
     _check(x, w, "proj", (m, m))
+    _bounds(w.shape[0], splits)  # the kernel path's rules for splits, so both refuse alike
     return ref.gemv_reference(x, w, out_dtype=out_dtype, splits=splits)
 
 

@@ -8,11 +8,11 @@ C chunk. All state and gate math is fp32; matrix inputs may be bf16 with fp32 ac
 
 from __future__ import annotations
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from pallas_kernels import common
 
 __all__ = [
     "gemv_reference",
@@ -58,7 +58,7 @@ def split_last(y: jax.Array, splits) -> tuple[jax.Array, ...]:
     """y's last axis cut into consecutive blocks of the given widths (which must sum to it)."""
     if sum(splits) != y.shape[-1] or min(splits) < 1:
         raise ValueError(f"splits={tuple(splits)}: expected widths summing to {y.shape[-1]}")
-    bounds = (0, *itertools.accumulate(splits))
+    bounds = common.bounds(splits)
     return tuple(y[..., lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True))
 
 
