@@ -135,9 +135,13 @@ def test_prepare_fused_l2(rng):
     "blk",
     [
         PrepareBlockSizes(sub=16, block_k=16),
-        PrepareBlockSizes(sub=16, block_k=16, num_stages=2, wu_block_k=32, wu_stages=2),
+        PrepareBlockSizes(sub=16, block_k=16, num_stages=2),
+        PrepareBlockSizes(sub=16, block_k=16, design="slices"),
+        PrepareBlockSizes(
+            sub=16, block_k=16, num_stages=2, wu_block_k=32, wu_stages=2, design="slices"
+        ),
     ],
-    ids=["default", "pipelined"],
+    ids=["columns", "columns-pipelined", "slices", "slices-pipelined"],
 )
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
 def test_prepare_column_slices(rng, lower_bound, blk):
@@ -371,7 +375,7 @@ def test_prepare_lowers_for_h200(lower_bound):
         *a, scale=kd**-0.5, chunk=64, lower_bound=lower_bound, mm_dtype=bf16, l2_eps=1e-6
     )
     text = lower_for_h200(fn, *args)
-    assert "kda_chunk_prepare" in text and "kda_chunk_wu" in text
+    assert "kda_chunk_prepare" in text and "kda_chunk_wu" not in text  # w, u in one kernel
     assert ("kda_chunk_diag" in text) == (lower_bound is None)
 
 
