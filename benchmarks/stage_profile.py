@@ -77,12 +77,12 @@ def prepare_block_sizes(config: str) -> PrepareBlockSizes:
     changes = {}
     for pair in config.split("+"):
         name, _, value = pair.partition("=")
-        if name not in fields or not (value.isdigit() or name == "design"):
+        if name not in fields or not value.isdigit():
             raise ValueError(
-                f"stage_profile: bad --configs entry {pair!r}; expected name=int (or "
-                f"design=columns|slices) with name one of {sorted(fields)}"
+                f"stage_profile: bad --configs entry {pair!r}; expected name=int with name one "
+                f"of {sorted(fields)}"
             )
-        changes[name] = value if name == "design" else int(value)
+        changes[name] = int(value)
     return dataclasses.replace(PrepareBlockSizes(), **changes)
 
 

@@ -94,27 +94,31 @@ class PrepareBlockSizes:
         dividing K and V. Per-slice temporaries are [C, block_k] or [sub, block_k], so registers
         hold little besides the [sub, C] score rows (H200, 2026-12-01: 16 measured 7% faster
         than 32 on the bounded gate; ptxas: 144 against 186 registers).
-      num_warps: Triton warps per program (8 measured slower than 4).
+      num_warps: Triton warps per program (8 and 2 measured slower than 4).
       num_stages: Triton software-pipelining depth of the slice loops' loads (ptxas, sm_90a:
-        1 -> 128 registers, 4 programs/SM; 2 -> 142 registers and 13 KB of shared memory for
-        the pipelined loads, 3 programs/SM; not yet timed above 1).
+        2 -> 142 registers and 13 KB of shared memory for the pipelined loads, 3 programs/SM;
+        1 -> 128 registers, 4 programs/SM).
       diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel.
-      wu_block_k, wu_warps, wu_stages: block_k, num_warps and num_stages of the w/u kernel
-        (48 registers at 16 x 4 x 1, so it has room for wider slices and deeper pipelines).
-      design: "columns" (one kernel: scores by column blocks in one walk over the key slices,
-        then T, then qg, kg, w and u; `_chunk_prepare_columns_kernel`) or "slices" (the
-        row-block walks of `_chunk_prepare_kernel`, then `_chunk_wu_kernel`).
+      wu_block_k, wu_warps, wu_stages: block_k, num_warps and num_stages of the w/u kernel.
+    The defaults are the fastest of one H200 job (2026-12-01, B=1, T=8192, H=32, the stage
+    alone, all else at the old defaults 16 x 4 x 1, diag_warps 4, wu 16 x 4 x 1): num_stages 2
+    1147 against 1225 us (bounded gate), wu_block_k 64 1158 (32: 1167), diag_warps 2 1828
+    against 1981 us (unbounded gate); num_warps 2 was slower (1370).
     """
 
     sub: int = 16
     block_k: int = 16
     num_warps: int = 4
-    num_stages: int = 1
-    diag_warps: int = 4
-    wu_block_k: int = 16
+    num_stages: int = 2
+    diag_warps: int = 2
+    wu_block_k: int = 64
     wu_warps: int = 4
     wu_stages: int = 1
-    design: str = "columns"
+
+    @staticmethod
+    def default_for(k: int, v: int) -> PrepareBlockSizes:
+        """The defaults, with the w/u slices no wider than K and V (powers of two >= 16)."""
+        return PrepareBlockSizes(wu_block_k=min(PrepareBlockSizes.wu_block_k, k, v))
 
 
 def _rows_and_cols(n: int):
@@ -151,30 +155,6 @@ def _unit_lower_inverse(lmat, *, sub: int):
     return inv + dot(inv, eye - dot(eye + lmat, inv))
 
 
-def _invert_in_scratch(l_scr_ref, c: int, sub: int):
-    """T = (I + L)^-1 by [sub, sub] blocks, T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ, from L in
-    l_scr_ref[:, :C] (stored and fenced) into l_scr_ref[:, C:2C]; blocks above the diagonal
-    are left unwritten. Ends with a barrier."""
-
-    def l_blk(i, j):
-        return l_scr_ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)]
-
-    def t_blk(i, j):
-        return l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + j * sub, sub)]
-
-    for i in range(c // sub):  # row i needs T of rows < i only: stored and fenced by then
-        t_ii = _unit_lower_inverse(l_blk(i, i), sub=sub)
-        l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + i * sub, sub)] = t_ii
-        for j in range(i - 1, -1, -1):
-            acc = sum(
-                jnp.dot(l_blk(i, m), t_blk(m, j), precision=HI, preferred_element_type=f32)
-                for m in range(j, i)
-            )
-            t_ij = -jnp.dot(t_ii, acc, precision=HI, preferred_element_type=f32)
-            l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + j * sub, sub)] = t_ij
-        common.barrier()
-
-
 def _apply_t(t_full, out_ref, part, block_k: int):
     """out = T @ part, slice by slice of `block_k` columns: part(cols) is [C, block_k] fp32."""
 
@@ -191,47 +171,42 @@ def _diag_pairwise_kernel(
     len_ref, q_ref, k_ref, f_ref, ea_ref, dt_ref, a_ref, l_ref, *, lower_bound, l2_eps
 ):
     """One (sequence, sub-block, head) of the unbounded gate: the diagonal block's scores pair by
-    pair, one query row i at a time over all of K, from block-local cumulative sums Gl:
+    pair, one key column j at a time over all of K, from block-local cumulative sums Gl:
     a[i, j] = sum_d q_id k_jd exp(Gl_id - Gl_jd), l[i, j] the same with k_i, for j <= i (mask
     applied before `exp`: exact at any decay strength), 0 above.
 
-    Row i's q, k and gate come from memory (Gl_i as a running sum), the key side lives in
-    registers, and each row of a and l is stored as it is done: no row is picked out of a tile.
-    A kernel of its own (many small programs, few registers: latency hidden by occupancy).
+    A kernel of its own (many small programs, few registers: latency hidden by occupancy) rather
+    than a phase of `_chunk_prepare_kernel`, where the same loop measured 1.85 ms at B=1, T=8192.
     len_ref: [Bp]; q_ref, k_ref, f_ref: [sub, K]; ea_ref, dt_ref: [K]; a_ref, l_ref: [sub, sub].
     """
     sub, kd = q_ref.shape
     seq, blk = pl.program_id(0), pl.program_id(1)
-    length = len_ref[seq]
     rid = lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
-    ok = blk * sub + rid < length
+    ok = blk * sub + rid < len_ref[seq]
+
+    def load(ref):
+        return plt.load(ref, mask=ok, other=0.0).astype(f32)
+
+    q, k = load(q_ref), load(k_ref)
+    if l2_eps is not None:
+        q = q * lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + l2_eps)
+        k = k * lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + l2_eps)
     ea = ea_ref[...].astype(f32)[None, :]
     dt = dt_ref[...].astype(f32)[None, :]
+    gl = jnp.cumsum(jnp.where(ok, gate_math(load(f_ref) + dt, ea, lower_bound), 0.0), axis=0)
+    col_ids = lax.broadcasted_iota(jnp.int32, (1, sub), 1)
 
-    def unit_rows(x):
-        if l2_eps is None:
-            return x
-        return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + l2_eps)
+    def column(j, accs):
+        pick = rid == j  # row j by a masked sum over rows (exact: adds zeros)
+        k_j = jnp.sum(jnp.where(pick, k, 0.0), axis=0, keepdims=True)
+        gl_j = jnp.sum(jnp.where(pick, gl, 0.0), axis=0, keepdims=True)
+        ke = k_j * jnp.exp(jnp.where(rid >= j, gl - gl_j, -jnp.inf))
+        a_col = jnp.sum(q * ke, axis=1, keepdims=True)
+        l_col = jnp.sum(k * ke, axis=1, keepdims=True)
+        return jnp.where(col_ids == j, a_col, accs[0]), jnp.where(col_ids == j, l_col, accs[1])
 
-    def gate(f, ok):
-        return jnp.where(ok, gate_math(f + dt, ea, lower_bound), 0.0)
-
-    k = unit_rows(plt.load(k_ref, mask=ok, other=0.0).astype(f32))
-    gl = jnp.cumsum(gate(plt.load(f_ref, mask=ok, other=0.0).astype(f32), ok), axis=0)
-
-    def query_row(i, gl_i):
-        ok_i = jnp.full((1, 1), blk * sub + i < length)
-
-        def load_row(ref):
-            return plt.load(ref.at[pl.ds(i, 1), :], mask=ok_i, other=0.0).astype(f32)
-
-        gl_i = gl_i + gate(load_row(f_ref), ok_i)
-        ke = k * jnp.exp(jnp.where(rid <= i, gl_i - gl, -jnp.inf))  # [sub, K], rows j
-        a_ref[pl.ds(i, 1), :] = jnp.sum(unit_rows(load_row(q_ref)) * ke, axis=1)[None, :]
-        l_ref[pl.ds(i, 1), :] = jnp.sum(unit_rows(load_row(k_ref)) * ke, axis=1)[None, :]
-        return gl_i
-
-    lax.fori_loop(0, sub, query_row, jnp.zeros((1, kd), f32))
+    zero = jnp.zeros((sub, sub), f32)
+    a_ref[...], l_ref[...] = lax.fori_loop(0, sub, column, (zero, zero))
 
 
 def _chunk_prepare_kernel(
@@ -371,8 +346,24 @@ def _chunk_prepare_kernel(
             l_scr_ref[rows, pl.ds(0, c)] = l_rows
     common.barrier()
 
-    # 3. T = (I + L)^-1 by sub-blocks, into the scratch.
-    _invert_in_scratch(l_scr_ref, c, sub)
+    # 3. T = (I + L)^-1 by sub-blocks (T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ), into the scratch.
+    def l_blk(i, j):
+        return l_scr_ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)]
+
+    def t_blk(i, j):
+        return l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + j * sub, sub)]
+
+    for i in range(nb):  # row i needs T of rows < i only: stored and fenced by then
+        t_ii = _unit_lower_inverse(l_blk(i, i), sub=sub)
+        l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + i * sub, sub)] = t_ii
+        for j in range(i - 1, -1, -1):
+            acc = sum(
+                jnp.dot(l_blk(i, m), t_blk(m, j), precision=HI, preferred_element_type=f32)
+                for m in range(j, i)
+            )
+            t_ij = -jnp.dot(t_ii, acc, precision=HI, preferred_element_type=f32)
+            l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + j * sub, sub)] = t_ij
+        common.barrier()
 
     # 4. w and u are `_chunk_wu_kernel`'s; L is dead by now (fenced): its columns 0 and 1 hand
     # over the row scales of w and u.
@@ -404,173 +395,6 @@ def _chunk_wu_kernel(len_ref, k_ref, v_ref, t_ref, g_ref, w_ref, u_ref, *, sub, 
     _apply_t(t_full, u_ref, lambda cols: u_scale * load(v_ref, cols), block_k)
 
 
-def _chunk_prepare_columns_kernel(
-    len_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    f_ref,
-    b_ref,
-    ea_ref,
-    dt_ref,
-    diag_a_ref,
-    diag_l_ref,
-    qg_ref,
-    kg_ref,
-    w_ref,
-    u_ref,
-    a_ref,
-    gl_ref,
-    l_scr_ref,
-    *,
-    scale: float,
-    lower_bound: float | None,
-    l2_eps: float | None,
-    sub: int,
-    block_k: int,
-):
-    """One (sequence, chunk, head): scores by column blocks, T by blocks, then qg, kg, w, u.
-
-    1. One walk over the K column slices builds, for every column block J of `sub` keys, its
-       [C, sub] block of q-k and k-k scores as one product (rows: the whole chunk), with the
-       reference G_r at row r = J*sub (factorised diagonal: every row at or below block J) or at
-       the block's last row r = J*sub + sub - 1 (unbounded gate: the rows below block J; the
-       diagonal block comes from `kda_chunk_diag`): exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j)
-       with the row mask applied before `exp`. The L2 norms are summed on the way and applied
-       to the finished scores (rows by 1/||q_i||, columns by 1/||k_j||).
-    2. T = (I + L)^-1 by [sub, sub] blocks from L in the scratch, stored back into it.
-    3. A second walk over the column slices writes qg, kg, exp(G_last), w = T (beta k exp(G))
-       and u = T (beta v).
-
-    len_ref: [Bp] int32; q_ref, k_ref, f_ref: [C, K]; v_ref: [C, V]; b_ref: [C]; ea_ref,
-    dt_ref: [K]; diag_a_ref, diag_l_ref: [C, sub] fp32 (unbounded gate; unused otherwise).
-    Outputs: qg_ref, kg_ref, w_ref: [C, K]; u_ref: [C, V]; a_ref: [C, C]; gl_ref: [1, K];
-    l_scr_ref: [C, 2C] fp32 scratch, private to this program: L, then T in columns C..2C.
-    """
-    c, kd = q_ref.shape
-    vd = v_ref.shape[1]
-    nb, bk = c // sub, block_k
-    seq, chunk_idx = pl.program_id(0), pl.program_id(1)
-    length = len_ref[seq]
-    pairwise = _needs_pairwise(lower_bound, sub)
-    row = lax.broadcasted_iota(jnp.int32, (c, 1), 0)
-    valid = chunk_idx * c + row < length  # [C, 1]
-    rid = lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
-    col = lax.broadcasted_iota(jnp.int32, (1, sub), 1)
-    # Column blocks with rows to score, the reference row of each and its first scored row.
-    blocks = range(nb - 1) if pairwise else range(nb)
-    ref_row = {j: j * sub + (sub - 1 if pairwise else 0) for j in blocks}
-    first_row = {j: (j + 1) * sub if pairwise else j * sub for j in blocks}
-    all_rows = pl.ds(0, c)
-
-    def load(ref, cols, rows=all_rows, ok=valid):
-        """[rows, bk] fp32, 0 at pads and past T (whatever the pads hold)."""
-        return plt.load(ref.at[rows, cols], mask=ok, other=0.0).astype(f32)
-
-    def cumulative_gate(cols, rows=all_rows, ok=valid):
-        ea = ea_ref[cols].astype(f32)[None, :]
-        dt = dt_ref[cols].astype(f32)[None, :]
-        g = jnp.where(ok, gate_math(load(f_ref, cols, rows, ok) + dt, ea, lower_bound), 0.0)
-        return jnp.cumsum(g, axis=0)
-
-    def pick_row(x, ids, r):
-        """Row r of x ([1, bk]) by a masked sum over rows (exact: adds zeros)."""
-        return jnp.sum(jnp.where(ids == r, x, 0.0), axis=0, keepdims=True)
-
-    # 1. Scores by column blocks, one walk over the key columns.
-    def scores(s, carry):
-        acc_a, acc_l, sq_q, sq_k, sq_c = carry
-        cols = pl.ds(s * bk, bk)
-        q, k = load(q_ref, cols), load(k_ref, cols)
-        big_g = cumulative_gate(cols)
-        sq_q += jnp.sum(q * q, axis=1, keepdims=True)
-        sq_k += jnp.sum(k * k, axis=1, keepdims=True)
-        acc_a, acc_l, sq_c = list(acc_a), list(acc_l), list(sq_c)
-        for n, j in enumerate(blocks):
-            rows = pl.ds(j * sub, sub)
-            ok = chunk_idx * c + j * sub + rid < length
-            k_j = load(k_ref, cols, rows, ok)
-            g_j = cumulative_gate(cols, rows, ok)  # block-local: G_j - G at the block's start
-            k_col = k_j * jnp.exp(pick_row(g_j, rid, ref_row[j] - j * sub) - g_j)
-            e = jnp.exp(
-                jnp.where(row >= first_row[j], big_g - pick_row(big_g, row, ref_row[j]), -jnp.inf)
-            )
-            acc_a[n] += _dot_nt(q * e, k_col)
-            acc_l[n] += _dot_nt(k * e, k_col)
-            sq_c[n] += jnp.sum(k_j * k_j, axis=1)[None, :]
-        return tuple(acc_a), tuple(acc_l), sq_q, sq_k, tuple(sq_c)
-
-    zero_blk = tuple(jnp.zeros((c, sub), f32) for _ in blocks)
-    zero_col = jnp.zeros((c, 1), f32)
-    acc_a, acc_l, sq_q, sq_k, sq_c = lax.fori_loop(
-        0,
-        kd // bk,
-        scores,
-        (zero_blk, zero_blk, zero_col, zero_col, tuple(jnp.zeros((1, sub), f32) for _ in blocks)),
-    )
-    if l2_eps is None:
-        rq = rk = jnp.ones((c, 1), f32)
-        rk_c = [jnp.ones((1, sub), f32) for _ in blocks]
-    else:
-        rq, rk = lax.rsqrt(sq_q + l2_eps), lax.rsqrt(sq_k + l2_eps)
-        rk_c = [lax.rsqrt(x + l2_eps) for x in sq_c]
-    beta = jnp.where(valid[:, 0], beta_math(plt.load(b_ref, mask=valid[:, 0], other=0.0)), 0.0)
-    beta = beta[:, None]
-    for j in range(nb):
-        cols = pl.ds(j * sub, sub)
-        key = j * sub + col  # [1, sub] key index
-        if j in blocks:
-            n = blocks.index(j)
-            a_j = jnp.where(key <= row, scale * rq * acc_a[n] * rk_c[n], 0.0)
-            l_j = jnp.where(key < row, beta * rk * acc_l[n] * rk_c[n], 0.0)
-        else:
-            a_j = l_j = jnp.zeros((c, sub), f32)
-        if pairwise:  # the diagonal block beside the rest of the column (disjoint addresses)
-            rows = pl.ds(j * sub, sub)
-            off = row // sub != j
-            plt.store(a_ref.at[:, cols], a_j.astype(a_ref.dtype), mask=off)
-            plt.store(l_scr_ref.at[:, cols], l_j, mask=off)
-            ok = chunk_idx * c + j * sub + rid < length
-            beta_j = beta_math(plt.load(b_ref.at[rows], mask=ok[:, 0], other=0.0))[:, None]
-            a_ref[rows, cols] = (scale * diag_a_ref[rows, :]).astype(a_ref.dtype)
-            l_scr_ref[rows, cols] = jnp.where((col < rid) & ok, beta_j * diag_l_ref[rows, :], 0.0)
-        else:
-            a_ref[:, cols] = a_j.astype(a_ref.dtype)
-            l_scr_ref[:, cols] = l_j
-    common.barrier()
-
-    # 2. T = (I + L)^-1 by blocks, into the scratch's columns C..2C.
-    _invert_in_scratch(l_scr_ref, c, sub)
-
-    # 3. qg, kg, exp(G_last), w and u, column slice by column slice.
-    rows_cc, cols_cc = _rows_and_cols(c)
-    t_full = plt.load(
-        l_scr_ref.at[:, pl.ds(c, c)], mask=rows_cc // sub >= cols_cc // sub, other=0.0
-    )
-
-    def key_slice(s, carry):
-        cols = pl.ds(s * bk, bk)
-        big_g = cumulative_gate(cols)
-        g_last = pick_row(big_g, row, c - 1)
-        decay = jnp.exp(big_g)
-        k = load(k_ref, cols) * rk
-        qg_ref[:, cols] = (scale * rq * load(q_ref, cols) * decay).astype(qg_ref.dtype)
-        kg_ref[:, cols] = (k * jnp.exp(g_last - big_g)).astype(kg_ref.dtype)
-        gl_ref[:, cols] = jnp.exp(g_last)
-        w = jnp.dot(t_full, beta * k * decay, preferred_element_type=f32)
-        w_ref[:, cols] = w.astype(w_ref.dtype)
-        return carry
-
-    def value_slice(s, carry):
-        cols = pl.ds(s * bk, bk)
-        u = jnp.dot(t_full, beta * load(v_ref, cols), preferred_element_type=f32)
-        u_ref[:, cols] = u.astype(u_ref.dtype)
-        return carry
-
-    lax.fori_loop(0, kd // bk, key_slice, 0)
-    lax.fori_loop(0, vd // bk, value_slice, 0)
-
-
 def _check_shapes(q, k, v, f, b, lengths, a_log, dt_bias, chunk, blk):
     bsz, t, h, kd = q.shape
     vd = v.shape[-1]
@@ -591,8 +415,6 @@ def _check_shapes(q, k, v, f, b, lengths, a_log, dt_bias, chunk, blk):
             raise ValueError(f"chunk_prepare: {name}={n} must be a power of two >= 16")
     if chunk % blk.sub:
         raise ValueError(f"chunk_prepare: chunk={chunk} must be a multiple of sub={blk.sub}")
-    if blk.design not in ("columns", "slices"):
-        raise ValueError(f"chunk_prepare: design={blk.design!r}, expected 'columns' or 'slices'")
     for name in ("block_k", "wu_block_k"):
         bk = getattr(blk, name)
         if bk < 16 or bk & (bk - 1) or kd % bk or vd % bk:
@@ -634,7 +456,7 @@ def chunk_prepare(
     Returns:
       ChunkIntermediates with N = ceil(T / C) chunks per sequence.
     """
-    blk = PrepareBlockSizes()  # block_k = 16 divides every valid K and V (powers of two >= 16)
+    blk = PrepareBlockSizes.default_for(q.shape[-1], v.shape[-1])
     return _chunk_prepare(
         q,
         k,
@@ -714,11 +536,6 @@ def _chunk_prepare(
     else:  # not read: the factorised path computes the diagonal blocks with the rest
         diag_a = diag_l = jnp.zeros((1, 1, chunk, sub), f32)
         diag_spec = pl.BlockSpec((None, None, chunk, sub), lambda s, c, hh: (0, 0, 0, 0))
-    if blk.design == "columns":
-        return _prepare_columns(
-            lens, q, k, v, f4, b, ea, dt, diag_a, diag_l, diag_spec, out_shape, out_specs,
-            tok, inter, scale=scale, lower_bound=lower_bound, l2_eps=l2_eps, blk=blk,
-        )  # fmt: skip
     kernel = functools.partial(
         _chunk_prepare_kernel,
         scale=scale,
@@ -771,46 +588,3 @@ def _chunk_prepare(
         interpret=common.interpret(),
     )(lens, k, v, *res[-2:])
     return ChunkIntermediates(**outs)
-
-
-def _prepare_columns(
-    lens, q, k, v, f4, b, ea, dt, diag_a, diag_l, diag_spec, out_shape, out_specs, tok, inter,
-    *, scale, lower_bound, l2_eps, blk,
-):  # fmt: skip
-    bsz, t, h, kd = q.shape
-    chunk = out_shape.a.shape[-1]
-    n = out_shape.gl.shape[2]
-    kernel = functools.partial(
-        _chunk_prepare_columns_kernel,
-        scale=scale,
-        lower_bound=lower_bound,
-        l2_eps=l2_eps,
-        sub=blk.sub,
-        block_k=blk.block_k,
-    )
-    names = ChunkIntermediates._fields
-    res = pl.pallas_call(
-        kernel,
-        out_shape=(
-            *(getattr(out_shape, nm) for nm in names),
-            jax.ShapeDtypeStruct((bsz, h, n * chunk, 2 * chunk), f32),
-        ),
-        grid=(bsz, n, h),
-        in_specs=[
-            pl.BlockSpec((lens.shape[0],), lambda s, c, hh: (0,)),
-            tok(kd),
-            tok(kd),
-            tok(v.shape[-1]),
-            tok(kd),
-            pl.BlockSpec((None, chunk, None), lambda s, c, hh: (s, c, hh)),
-            pl.BlockSpec((None, kd), lambda s, c, hh: (hh, 0)),
-            pl.BlockSpec((None, kd), lambda s, c, hh: (hh, 0)),
-            diag_spec,
-            diag_spec,
-        ],
-        out_specs=(*(getattr(out_specs, nm) for nm in names), inter(2 * chunk)),
-        compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
-        name="kda_chunk_prepare",
-        interpret=common.interpret(),
-    )(lens, q, k, v, f4, b, ea, dt, diag_a, diag_l)
-    return ChunkIntermediates(*res[:-1])

@@ -134,20 +134,18 @@ def test_prepare_fused_l2(rng):
 @pytest.mark.parametrize(
     "blk",
     [
-        PrepareBlockSizes(sub=16, block_k=16),
-        PrepareBlockSizes(sub=16, block_k=16, num_stages=2),
-        PrepareBlockSizes(sub=16, block_k=16, design="slices"),
-        PrepareBlockSizes(
-            sub=16, block_k=16, num_stages=2, wu_block_k=32, wu_stages=2, design="slices"
-        ),
+        PrepareBlockSizes.default_for(K, K),
+        PrepareBlockSizes(num_stages=1, diag_warps=4, wu_block_k=16),
+        PrepareBlockSizes(wu_block_k=32, wu_stages=2),
     ],
-    ids=["columns", "columns-pipelined", "slices", "slices-pipelined"],
+    ids=["default", "unpipelined", "wu-pipelined"],
 )
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
 def test_prepare_column_slices(rng, lower_bound, blk):
     """K and V streamed in two slices (block_k=16 of 32) over four sub-blocks (chunk 64), with
-    the L2 norm fused: the scores summed slice by slice equal the reference; also with the w/u
-    kernel on one 32-wide slice and both kernels' loads pipelined (stages matter on a GPU)."""
+    the L2 norm fused: the scores summed slice by slice equal the reference; the w/u kernel on
+    one 32-wide slice (the default's 64 capped at K) or two 16-wide ones, loads pipelined or
+    not (stages matter on a GPU)."""
     q, k, v, f, beta, lengths, a_log, dt_bias = _prep_args(_inputs(rng))
     kw = dict(scale=K**-0.5, chunk=64, lower_bound=lower_bound, mm_dtype=f32)
     got = _chunk_prepare(
@@ -158,6 +156,11 @@ def test_prepare_column_slices(rng, lower_bound, blk):
     )
     for name in ChunkIntermediates._fields:
         assert_close(getattr(got, name), getattr(want, name), FP32_TOL, name)
+
+
+def test_prepare_default_block_sizes_fit_head_dim():
+    assert PrepareBlockSizes.default_for(128, 128) == PrepareBlockSizes()
+    assert PrepareBlockSizes.default_for(32, 64).wu_block_k == 32
 
 
 @pytest.mark.parametrize("name", ["block_k", "wu_block_k"])
@@ -375,7 +378,7 @@ def test_prepare_lowers_for_h200(lower_bound):
         *a, scale=kd**-0.5, chunk=64, lower_bound=lower_bound, mm_dtype=bf16, l2_eps=1e-6
     )
     text = lower_for_h200(fn, *args)
-    assert "kda_chunk_prepare" in text and "kda_chunk_wu" not in text  # w, u in one kernel
+    assert "kda_chunk_prepare" in text and "kda_chunk_wu" in text
     assert ("kda_chunk_diag" in text) == (lower_bound is None)
 
 

@@ -1,33 +1,40 @@
 #!/usr/bin/env bash
-# This session's GPU jobs (run from the repo root on the device machine; results in $OUT):
-# the column-block chunk_prepare (design="columns", one kernel) and the row-loop diagonal kernel
-# of this tree against the tree of the last commit before them (.gpu/base.tar, `git archive`),
-# in one job, with their compiled tests.
-#   bash benchmarks/wip/next_gpu_job.sh tests    # compiled test_chunk + test_forward_pallas, base stages
-#   bash benchmarks/wip/next_gpu_job.sh stages   # this tree's stages over block sizes
+# GPU jobs of session 5 (repo root on the device machine; results in $OUT).
+#   bash benchmarks/wip/next_gpu_job.sh knobs   # the prepare knobs of 7d24179 (.gpu/base.tar,
+#                                               # `git archive 7d24179`), alone and with
+#                                               # prepare_latency.patch
+#   bash benchmarks/wip/next_gpu_job.sh final   # this tree: compiled test_chunk, the core
+#                                               # records against FLA, then bench_decode --quick
 set -uo pipefail
-what=${1:?tests or stages}
+what=${1:?knobs or final}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 fi
-tree=$PWD; base=/tmp/base_tree
-rm -rf "$base"; mkdir -p "$base"; tar -xf .gpu/base.tar -C "$base" || exit 1
 run() {  # run DIR LABEL SECONDS CMD...: one step in a tree, with its own time limit
   local dir=$1 label=$2 limit=$3; shift 3
   (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "$limit" "$@") > "$OUT/$label.log" 2>&1
   echo "$label: rc=$? $(tail -n 1 "$OUT/$label.log")"
 }
-T="python3 -m pytest -q -p no:cacheprovider -p no:warnings -rfE"
-if [ "$what" = tests ]; then
-  run "$tree" tests_chunk 220 $T tests/test_chunk.py
-  run "$tree" tests_forward 100 $T tests/test_forward_pallas.py -k prefill
-  run "$base" stages_base 200 python3 benchmarks/stage_profile.py --kernels \
-    --scan-configs none --out "$OUT/stages_base.json"
+if [ "$what" = knobs ]; then
+  base=/tmp/base_tree; wip=/tmp/wip_tree
+  rm -rf "$base" "$wip"; mkdir -p "$base"; tar -xf .gpu/base.tar -C "$base" || exit 1
+  cp -r "$base" "$wip"
+  (cd "$wip" && patch -s -p1 < "$OLDPWD/benchmarks/wip/prepare_latency.patch") || exit 1
+  run "$base" knobs 300 python3 benchmarks/stage_profile.py --scan-configs none \
+    --configs default,num_warps=2,num_stages=2,wu_block_k=32,wu_block_k=64,diag_warps=2 \
+    --out "$OUT/knobs.json"
+  run "$wip" latency 170 python3 benchmarks/stage_profile.py --scan-configs none \
+    --configs default,num_warps=2,num_warps=2+diag_warps=2+wu_block_k=32 --out "$OUT/latency.json"
+  grep -hE "^chunk" "$OUT"/knobs.log "$OUT"/latency.log
 else
-  run "$tree" stages 540 python3 benchmarks/stage_profile.py --kernels --scan-configs none \
-    --configs default,num_stages=2,num_warps=8,num_warps=8+num_stages=2,diag_warps=2,design=slices \
-    --out "$OUT/stages.json"
+  run "$PWD" tests_chunk 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings -rfE \
+    tests/test_chunk.py
+  run "$PWD" bench_prefill 230 python3 benchmarks/bench_prefill.py --quick --core-only \
+    --out "$OUT/bench_prefill.json"
+  grep -E "^prefill" "$OUT/bench_prefill.log"
+  run "$PWD" bench_decode 150 python3 benchmarks/bench_decode.py --quick \
+    --out "$OUT/bench_decode.json"
+  grep -E "^decode" "$OUT/bench_decode.log"
 fi
-grep -hE "^(chunk|ours|FLA un)|kda_|x .*us" "$OUT"/stages*.log 2>/dev/null | head -60
