@@ -54,8 +54,10 @@ class RecurrentBlockSizes:
         """V tiles of 32 columns: 4x the programs of whole heads (B=1, H=32 is 128 programs),
         which measured faster on the H200 at B = 1 and 64 than whole heads even with RMSNorm as
         a second launch; 64 columns once B*H >= 1024 sequence-heads fill the GPU anyway (H200,
-        2026-12-01, decode core at B=64, H=32 in one job: 91.5 us against 96.9 for 32; B = 8..31
-        not timed, so they keep 32). Never depends on R (bit-equality)."""
+        2026-12-01, decode core at B=64, H=32 in one job: 91.5 us against 96.9 for 32; a later
+        job measured the opposite, 100.7 against 90.6, and the whole block at B=64 took 140.0 us
+        with 64 against 140.3 with 32 in the first: the two are level within the jobs' spread).
+        Never depends on R (bit-equality)."""
         return RecurrentBlockSizes.with_block_v(k, min(v, 64 if batch * heads >= 1024 else 32))
 
     @staticmethod
