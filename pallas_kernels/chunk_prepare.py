@@ -24,9 +24,10 @@ Structure (registers decide the speed here: the first version held the [C, K] ch
      slices (loops, not unrolled), stored as rows of A and, for L, into the scratch; the
      unbounded gate's diagonal blocks come from phase 0.
   3. T = (I + L)^-1 from the scratch's [sub, sub] blocks, stored back into the scratch.
-  4. In a second kernel (`kda_chunk_wu`, 48 registers against the first one's 128, so each has
-     its own occupancy; H200, 2026-12-01, bounded gate at B=1, T=8192: the whole core went
-     from 1771 to 1564 us across the change, in two jobs), w and u as whole-chunk products
+  4. In a second kernel (`kda_chunk_wu`, with its own occupancy: at the defaults ptxas gives it
+     119 registers against the first one's 142; H200, 2026-12-01, bounded gate at B=1,
+     T=8192: the whole core went from 1771 to 1564 us across the split, in two jobs; a
+     one-kernel rewrite measured slower in session 5, benchmarks/NOTES.md), w and u as products
      T @ (beta k exp(G)) and T @ (beta v), slice by slice, from T, G and the row scales left
      in the first kernel's scratch.
 Between the phases a barrier (`plt.debug_barrier`, __syncthreads) orders the scratch's stores
