@@ -149,6 +149,12 @@ def _core_inputs(b, h, kd, key):
 
 def fla_core_us(b, h, kd, reps):
     """FLA's fused_recurrent_kda, as SPEC §9 took its figures; raises if fla is missing."""
+    return common.cuda_graph_us(fla_core_call(b, h, kd), reps)
+
+
+def fla_core_call(b, h, kd):
+    """A callable running FLA's fused_recurrent_kda on fresh [b, 1, h, kd] inputs, as SPEC §9
+    called it; raises if fla is missing."""
     import torch
     from fla.ops.kda import fused_recurrent_kda
 
@@ -176,20 +182,25 @@ def fla_core_us(b, h, kd, reps):
             **common.FLA_OPTIONS,
         )
 
-    return common.cuda_graph_us(call, reps)
+    return call
 
 
-def bench_core(cfg, batches, n, reps, records, meta, tiles=None):
-    """Decode core against FLA at each B: the default V tile, then the other tiles (all of
-    V, V/2, V/4, V/8, or `tiles`)."""
-    h, kd = cfg.heads, cfg.head_dim
-    kw = dict(
+def core_kwargs(cfg) -> dict:
+    """The static arguments of the decode core steps below."""
+    return dict(
         scale=cfg.scale,
         lower_bound=cfg.gate_lower_bound,
         eps=cfg.rms_norm_eps,
         snapshots=False,
         out_dtype=jnp.bfloat16,
     )
+
+
+def bench_core(cfg, batches, n, reps, records, meta, tiles=None):
+    """Decode core against FLA at each B: the default V tile, then the other tiles (all of
+    V, V/2, V/4, V/8, or `tiles`)."""
+    h, kd = cfg.heads, cfg.head_dim
+    kw = core_kwargs(cfg)
 
     for b in batches:
         try:

@@ -103,6 +103,28 @@ def cuda_graph_us(call, reps: int, calls: int = 20) -> float:
     return statistics.median(times)
 
 
+def torch_kernels(call, calls: int = 10) -> list[tuple[str, float, float]]:
+    """(kernel name, device us per call, launches per call) of a PyTorch callable under
+    torch.profiler (CUPTI), after three warm-up calls (Triton autotuning), slowest first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                call()
+            torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t:
+            rows.append((ev.key[:70], round(t / calls, 2), ev.count / calls))
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def time_loop(step, carry, n: int, reps: int, unroll: int | bool = 1, differential=False) -> float:
     """Median us per step of `carry = step(carry)` run n times in one jitted `fori_loop` (carry
     donated), after a compile and a warm-up call. `unroll=True` writes the n steps out as

@@ -9,7 +9,11 @@ from the first kernel's start to the last one's end per step ("span"), and the l
 per step measured without the profiler, differentially as bench_decode.py does ("wall").
 span - busy is the gaps between kernels; wall - span what the host adds per step.
 
-    python benchmarks/decode_profile.py --out PATH [--n 20]
+    python benchmarks/decode_profile.py --out PATH [--n 20] [--cases decode:1,core:8,...]
+
+The `core:B` cases put the decode core's device time per step beside the device time per call
+of FLA's `fused_recurrent_kda` kernels on inputs of the same shapes (both from CUPTI): the
+like-for-like comparison at small B, where bench_decode's wall-clock figures are too noisy.
 
 Run it again under another XLA_FLAGS (e.g. command buffers for while loops) to compare; the
 flags in force are recorded.
@@ -23,6 +27,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -35,10 +40,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
-from bench_decode import _decode_k_step, _decode_step, random_state  # noqa: E402
+from bench_decode import (  # noqa: E402
+    _core_inputs,
+    _decode_k_step,
+    _decode_step,
+    _pallas_core_step,
+    core_kwargs,
+    fla_core_call,
+    random_state,
+)
 
 from kda_jax.config import preset  # noqa: E402
 from kda_jax.params import init_params  # noqa: E402
+from pallas_kernels.recurrent import RecurrentBlockSizes  # noqa: E402
 
 
 def _kernels(trace_path: str) -> list[tuple[str, float, float]]:
@@ -88,7 +102,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--n", type=int, default=20)
-    parser.add_argument("--cases", default="decode:1,decode:64,decode_k:8")
+    parser.add_argument(
+        "--cases",
+        default="decode:1,decode:64,decode_k:8",
+        help="comma-separated decode:B, decode_k:k (at B=1) or core:B (the decode core, with "
+        "FLA's fused_recurrent_kda kernels on inputs of the same shapes beside it)",
+    )
     args = parser.parse_args()
     cfg = preset("kimi-linear-48b")
     params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
@@ -99,7 +118,20 @@ def main():
         what, num = case.split(":")
         num = int(num)
         key = jax.random.key(num)
-        if what == "decode":
+        extra = {}  # the core's FLA beside it
+        if what == "core":  # one launch per step: its device time against FLA's per call
+            acts, core_params, state = _core_inputs(num, cfg.heads, cfg.head_dim, key)
+            block = RecurrentBlockSizes.default_for(num, cfg.heads, cfg.head_dim, cfg.head_dim)
+            step = functools.partial(
+                _pallas_core_step, acts, core_params, core_kwargs(cfg), cfg.l2_eps, block
+            )
+            carry, shape = state, f"B={num},block_v={block.block_v}"
+            try:
+                fla = common.torch_kernels(fla_core_call(num, cfg.heads, cfg.head_dim), 20)
+                extra = dict(fla_busy_us=round(sum(r[1] for r in fla), 2), fla_kernels=fla)
+            except Exception as e:  # noqa: BLE001 - reported in the record
+                extra = dict(fla_error=f"{type(e).__name__}: {e}"[:400])
+        elif what == "decode":
             x = jax.random.normal(key, (num, cfg.hidden), jnp.float32).astype(params.dtype)
             step, carry = _decode_step(params, cfg, "pallas"), (x, random_state(cfg, num, key))
             shape = f"B={num}"
@@ -109,13 +141,14 @@ def main():
             shape = f"B=1,k={num}"
         try:
             rec = dict(bench=f"{what}_profile", shape=shape, **profile_case(step, carry, args.n))
+            rec.update(extra)
         except Exception as e:  # noqa: BLE001 - reported in the record
             rec = dict(bench=f"{what}_profile", shape=shape, error=f"{type(e).__name__}: {e}"[:400])
         rec.update(meta)
         out.append(rec)
         with open(args.out, "w") as fh:
             json.dump(out, fh, indent=1)
-        print(json.dumps({k: v for k, v in rec.items() if k != "kernels"}), flush=True)
+        print(json.dumps({k: v for k, v in rec.items() if "kernels" not in k}), flush=True)
         for r in rec.get("kernels", []):
             print(f"   {r['per_step']:6.2f} x {r['mean_us']:8.2f} us  {r['name']}", flush=True)
 

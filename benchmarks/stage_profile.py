@@ -48,24 +48,7 @@ from pallas_kernels.chunk_scan import ScanBlockSizes, _chunk_scan  # noqa: E402
 
 def fla_kernels(inputs, lower_bound):
     """Per-kernel CUDA time (us per call) of FLA chunk_kda, from torch.profiler."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    call = fla_call(inputs, lower_bound)
-    with torch.inference_mode():
-        for _ in range(3):
-            call()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                call()
-            torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t:
-            rows.append((ev.key[:70], round(t / 10, 1), ev.count // 10))
-    return sorted(rows, key=lambda r: -r[1])
+    return common.torch_kernels(fla_call(inputs, lower_bound))
 
 
 def prepare_block_sizes(config: str) -> PrepareBlockSizes:
