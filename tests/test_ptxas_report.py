@@ -12,16 +12,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import ptxas_report  # noqa: E402
 
+from pallas_kernels.chunk_prepare import PrepareBlockSizes  # noqa: E402
+
+# The launch parameters each kernel must carry: the block sizes' defaults at K = V = 128.
+_BLK = PrepareBlockSizes.default_for(128, 128)
+_PREPARE = [
+    ("kda_chunk_prepare", _BLK.num_warps, _BLK.num_stages),
+    ("kda_chunk_wu", _BLK.wu_warps, _BLK.wu_stages),
+]
+
 
 @pytest.mark.parametrize(
     "case, kernels",
     [
         ("scan", [("kda_chunk_scan", 4, 2)]),
-        ("prepare-bounded", [("kda_chunk_prepare", 4, 1), ("kda_chunk_wu", 4, 1)]),
-        (
-            "prepare-unbounded",
-            [("kda_chunk_diag", 4, 1), ("kda_chunk_prepare", 4, 1), ("kda_chunk_wu", 4, 1)],
-        ),
+        ("prepare-bounded", _PREPARE),
+        ("prepare-unbounded", [("kda_chunk_diag", _BLK.diag_warps, 1), *_PREPARE]),
     ],
 )
 def test_modules_are_clean_mlir_with_launch_params(case, kernels):
