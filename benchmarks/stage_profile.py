@@ -46,11 +46,6 @@ from pallas_kernels.chunk_prepare import PrepareBlockSizes, _chunk_prepare  # no
 from pallas_kernels.chunk_scan import ScanBlockSizes, _chunk_scan  # noqa: E402
 
 
-def fla_kernels(inputs, lower_bound):
-    """Per-kernel CUDA time (us per call) of FLA chunk_kda, from torch.profiler."""
-    return common.torch_kernels(fla_call(inputs, lower_bound))
-
-
 def prepare_block_sizes(config: str) -> PrepareBlockSizes:
     """`--configs` entry -> PrepareBlockSizes: "default", or fields changed from the default as
     "+"-joined name=value pairs, e.g. "num_stages=2+wu_stages=2" or "block_k=32"."""
@@ -110,7 +105,7 @@ def main():
             continue
         if args.fla:
             try:
-                for row in fla_kernels(inputs, lb):
+                for row in common.torch_kernels(fla_call(inputs, lb)):  # us per call
                     print(f"FLA {gate}: {row}")
             except Exception as e:  # noqa: BLE001
                 print(f"FLA unavailable: {type(e).__name__}: {e}")
