@@ -30,7 +30,7 @@ Stage times and block-size sweeps of chunk_prepare / chunk_scan: benchmarks/stag
 JAX timing: one jitted `fori_loop` of n dependent calls (the final state is the carry and sets
 `lengths`, so nothing is loop-invariant), median over repetitions, divided by n.
 
-Usage: python benchmarks/bench_prefill.py --out PATH [--quick] [--core-only]
+Usage: python benchmarks/bench_prefill.py --out PATH [--quick] [--core-only | --block-only]
 """
 
 from __future__ import annotations
@@ -233,13 +233,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file for the list of records")
     parser.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
-    parser.add_argument("--core-only", action="store_true", help="skip the whole-block cases")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--core-only", action="store_true", help="skip the whole-block cases")
+    only.add_argument("--block-only", action="store_true", help="skip the core cases (and FLA)")
     args = parser.parse_args()
     meta = common.meta()
     reps = 3 if args.quick else 5
     records = common.Records(args.out)
     shapes = [(1, 8192), (4, 4096), (1, 32768)]
-    bench_core(shapes, 20, reps, records, meta)
+    if not args.block_only:
+        bench_core(shapes, 20, reps, records, meta)
     if not args.core_only:
         cfg = preset("kimi-linear-48b")
         params = init_params(cfg, jax.random.key(0), jnp.bfloat16)

@@ -105,8 +105,9 @@ def main():
     parser.add_argument(
         "--cases",
         default="decode:1,decode:64,decode_k:8",
-        help="comma-separated decode:B, decode_k:k (at B=1) or core:B (the decode core, with "
-        "FLA's fused_recurrent_kda kernels on inputs of the same shapes beside it)",
+        help="comma-separated decode:B, decode_k:k (at B=1) or core:B[:BV[:WARPS]] (the decode "
+        "core, default tiling or V tile BV with WARPS warps, with FLA's fused_recurrent_kda "
+        "kernels on inputs of the same shapes beside it)",
     )
     args = parser.parse_args()
     cfg = preset("kimi-linear-48b")
@@ -115,17 +116,23 @@ def main():
     meta["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     out = []
     for case in args.cases.split(","):
-        what, num = case.split(":")
+        what, num, *tile = case.split(":")
         num = int(num)
+        if tile and what != "core":
+            parser.error(f"--cases {case!r}: only core:B takes a V tile (core:B:BV[:WARPS])")
         key = jax.random.key(num)
         extra = {}  # the core's FLA beside it
         if what == "core":  # one launch per step: its device time against FLA's per call
             acts, core_params, state = _core_inputs(num, cfg.heads, cfg.head_dim, key)
             block = RecurrentBlockSizes.default_for(num, cfg.heads, cfg.head_dim, cfg.head_dim)
+            if tile:  # core:B:BV[:WARPS] overrides the default tiling
+                block = RecurrentBlockSizes.with_block_v(cfg.head_dim, int(tile[0]))
+                if len(tile) > 1:
+                    block = RecurrentBlockSizes(block.block_v, int(tile[1]))
             step = functools.partial(
                 _pallas_core_step, acts, core_params, core_kwargs(cfg), cfg.l2_eps, block
             )
-            carry, shape = state, f"B={num},block_v={block.block_v}"
+            carry, shape = state, f"B={num},block_v={block.block_v},warps={block.num_warps}"
             try:
                 fla = common.torch_kernels(fla_core_call(num, cfg.heads, cfg.head_dim), 20)
                 extra = dict(fla_busy_us=round(sum(r[1] for r in fla), 2), fla_kernels=fla)

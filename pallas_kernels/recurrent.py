@@ -53,17 +53,21 @@ class RecurrentBlockSizes:
     def default_for(batch: int, heads: int, k: int, v: int) -> RecurrentBlockSizes:
         """V tiles of 32 columns: 4x the programs of whole heads (B=1, H=32 is 128 programs),
         which measured faster on the H200 at B = 1 and 64 than whole heads even with RMSNorm as
-        a second launch; 64 columns once B*H >= 1024 sequence-heads fill the GPU anyway (H200,
-        2026-12-01, decode core at B=64, H=32 in one job: 91.5 us against 96.9 for 32; a later
-        job measured the opposite, 100.7 against 90.6, and the whole block at B=64 took 140.0 us
-        with 64 against 140.3 with 32 in the first: the two are level within the jobs' spread).
-        Never depends on R (bit-equality)."""
+        a second launch; 64 columns once B*H >= 1024 sequence-heads fill the GPU anyway. H200,
+        2026-12-01, decode core at B=64, H=32, device time (CUPTI) in one job: V tile 64 with 4
+        warps 80.8 us, 32 with 4 warps 87.4 (2 warps 90.4, 8 warps 95.3), 64 with 8 warps (the
+        old default) 101.9, 16 with 2 warps 134.5; FLA's fused_recurrent_kda 88.4-89.1 beside
+        them. Never depends on R (bit-equality)."""
         return RecurrentBlockSizes.with_block_v(k, min(v, 64 if batch * heads >= 1024 else 32))
 
     @staticmethod
     def with_block_v(k: int, block_v: int) -> RecurrentBlockSizes:
-        """A V tile of block_v columns with 32 to 64 state values per thread."""
-        return RecurrentBlockSizes(block_v=block_v, num_warps=max(1, min(8, k * block_v // 1024)))
+        """A V tile of block_v columns: 32 state values per thread up to 4 warps, then 4 warps
+        up to 64 values per thread (the [128, 64] tile: 4 warps measured 80.8 us against 101.9
+        for 8 at B=64, see `default_for`), and up to 8 warps beyond."""
+        values = k * block_v
+        warps = values // 1024 if values <= 4 * 1024 else max(4, values // 2048)
+        return RecurrentBlockSizes(block_v=block_v, num_warps=max(1, min(8, warps)))
 
 
 class _Fusions(NamedTuple):

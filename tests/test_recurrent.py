@@ -198,9 +198,14 @@ def test_recurrent_lowers_for_h200():
 
 
 def test_default_block_v_follows_batch_not_rows():
-    """V tile 32 at small B*H, 64 once B*H >= 1024 (measured at B=64, H=32), capped at V."""
+    """V tile 32 at small B*H, 64 once B*H >= 1024 (measured at B=64, H=32), capped at V; the
+    warps per tile as measured at B=64 (4 for the [128, 64] tile)."""
     assert RecurrentBlockSizes.default_for(1, 32, 128, 128).block_v == 32
     assert RecurrentBlockSizes.default_for(31, 32, 128, 128).block_v == 32
     assert RecurrentBlockSizes.default_for(64, 32, 128, 128).block_v == 64
     assert RecurrentBlockSizes.default_for(64, 32, 128, 32).block_v == 32
-    assert RecurrentBlockSizes.default_for(64, 32, 128, 128).num_warps == 8
+    assert RecurrentBlockSizes.default_for(64, 32, 128, 128).num_warps == 4
+    assert RecurrentBlockSizes.default_for(1, 32, 128, 128).num_warps == 4
+    # Warps per tile: 32 values per thread up to 4 warps, 64 per thread beyond.
+    warps = {bv: RecurrentBlockSizes.with_block_v(128, bv).num_warps for bv in (8, 16, 32, 64, 128)}
+    assert warps == {8: 1, 16: 2, 32: 4, 64: 4, 128: 8}
