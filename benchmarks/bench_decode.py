@@ -147,6 +147,13 @@ def _core_inputs(b, h, kd, key):
     return (q, k, v, f, beta, z), (a_log, dt_bias, w), state
 
 
+def core_floor_us(acts, state) -> float:
+    """The decode core's traffic at full bandwidth: the fp32 state read and written, the
+    activations of `_core_inputs` read and y (the size of z, bf16) written."""
+    io_bytes = sum(a.size * a.dtype.itemsize for a in acts) + acts[-1].size * 2
+    return (2 * state.size * 4 + io_bytes) / BANDWIDTH * 1e6
+
+
 def fla_core_us(b, h, kd, reps):
     """FLA's fused_recurrent_kda, as SPEC §9 took its figures; raises if fla is missing."""
     return common.cuda_graph_us(fla_core_call(b, h, kd), reps)
@@ -212,9 +219,7 @@ def bench_core(cfg, batches, n, reps, records, meta, tiles=None):
                 file=sys.stderr,
             )
         acts, params, state = _core_inputs(b, h, kd, jax.random.key(b))
-        q, k, v, f, beta, z = acts
-        io_bytes = sum(a.size * a.dtype.itemsize for a in acts) + z.size * 2  # inputs + y
-        floor = (2 * state.size * 4 + io_bytes) / BANDWIDTH * 1e6
+        floor = core_floor_us(acts, state)
         shape = f"B={b},H={h},K={kd},R=1"
         default = RecurrentBlockSizes.default_for(b, h, kd, kd)
         variants = [(f"pallas[block_v={default.block_v}]", default)] + [

@@ -14,6 +14,10 @@ span - busy is the gaps between kernels; wall - span what the host adds per step
 The `core:B` cases put the decode core's device time per step beside the device time per call
 of FLA's `fused_recurrent_kda` kernels on inputs of the same shapes (both from CUPTI): the
 like-for-like comparison at small B, where bench_decode's wall-clock figures are too noisy.
+Their records also carry the results table's keys (bench `decode_core_device`, backend,
+time_us = busy per step, floor_us as bench_decode's decode core, baseline = FLA's busy per call);
+`--reformat SAVED` adds those keys to the core records of a file saved before they existed and
+writes them to --out (nothing is re-measured).
 
 Run it again under another XLA_FLAGS (e.g. command buffers for while loops) to compare; the
 flags in force are recorded.
@@ -41,10 +45,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
 from bench_decode import (  # noqa: E402
+    FLA_NAME,
     _core_inputs,
     _decode_k_step,
     _decode_step,
     _pallas_core_step,
+    core_floor_us,
     core_kwargs,
     fla_core_call,
     random_state,
@@ -98,6 +104,28 @@ def profile_case(step, carry, n: int) -> dict:
     )
 
 
+def table_keys(rec: dict, cfg) -> dict:
+    """The results table's keys for a core record (shape "B=..,block_v=..[,warps=..]")."""
+    fields = dict(kv.split("=") for kv in rec["shape"].split(","))
+    b = int(fields["B"])
+    # Records saved before the shape named the warps say the V tile only (the warps were the
+    # default of the tree that ran them).
+    tile = ",".join(f"{k}={fields[k]}" for k in ("block_v", "warps") if k in fields)
+    acts, _, state = _core_inputs(b, cfg.heads, cfg.head_dim, jax.random.key(b))
+    fla = rec.get("fla_busy_us")
+    return dict(
+        bench="decode_core_device",
+        shape=f"B={b},H={cfg.heads},K={cfg.head_dim},R=1",
+        backend=f"pallas[{tile}]",
+        time_us=rec["busy_us"],
+        floor_us=round(core_floor_us(acts, state), 2),
+        baseline=None if fla is None else dict(name=f"{FLA_NAME} (CUPTI)", time_us=fla),
+        note="device time (CUPTI): kernels per step, the benchmark loop's add included; FLA's "
+        "kernels per call, its fill included",
+        profile_shape=rec["shape"],
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -109,8 +137,19 @@ def main():
         "core, default tiling or V tile BV with WARPS warps, with FLA's fused_recurrent_kda "
         "kernels on inputs of the same shapes beside it)",
     )
+    parser.add_argument(
+        "--reformat", metavar="SAVED", help="add the table keys to SAVED's core records; no run"
+    )
     args = parser.parse_args()
     cfg = preset("kimi-linear-48b")
+    if args.reformat:
+        with open(args.reformat) as fh:
+            saved = json.load(fh)
+        out = [{**r, **table_keys(r, cfg)} for r in saved if r["bench"] == "core_profile"]
+        with open(args.out, "w") as fh:
+            json.dump(out, fh, indent=1)
+        print(f"wrote {len(out)} core records to {args.out}")
+        return
     params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
     meta = common.meta()
     meta["xla_flags"] = os.environ.get("XLA_FLAGS", "")
@@ -149,6 +188,8 @@ def main():
         try:
             rec = dict(bench=f"{what}_profile", shape=shape, **profile_case(step, carry, args.n))
             rec.update(extra)
+            if what == "core":
+                rec.update(table_keys(rec, cfg))
         except Exception as e:  # noqa: BLE001 - reported in the record
             rec = dict(bench=f"{what}_profile", shape=shape, error=f"{type(e).__name__}: {e}"[:400])
         rec.update(meta)

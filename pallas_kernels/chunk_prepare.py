@@ -93,22 +93,27 @@ class PrepareBlockSizes:
       sub: rows of a sub-block (16: the smallest Triton dot side); divides the chunk.
       block_k: width of the K (and V) column slices the kernel loops over; a power of two >= 16
         dividing K and V. Per-slice temporaries are [C, block_k] or [sub, block_k], so registers
-        hold little besides the [sub, C] score rows (H200, 2026-12-01: 16 measured 7% faster
-        than 32 on the bounded gate; ptxas: 144 against 186 registers).
+        hold little besides the [sub, C] score rows. 32 since session 6 (H200, 2026-12-01, the
+        stage alone at B=1, T=8192 in one job: 990.8 against 1082.8 us for 16, bounded gate;
+        1617.6 against 1659.1 unbounded; ptxas at sm_90a: 168 registers and 12 bytes of spills
+        bounded, 3 programs/SM as with 16's 142; 247 unbounded, 2/SM). With num_stages 1 and
+        the older kernel 16 had measured 7% faster.
       num_warps: Triton warps per program (8 and 2 measured slower than 4).
       num_stages: Triton software-pipelining depth of the slice loops' loads (ptxas, sm_90a:
         2 -> 142 registers and 13 KB of shared memory for the pipelined loads, 3 programs/SM;
         1 -> 128 registers, 4 programs/SM).
       diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel.
       wu_block_k, wu_warps, wu_stages: block_k, num_warps and num_stages of the w/u kernel.
-    The defaults are the fastest of one H200 job (2026-12-01, B=1, T=8192, H=32, the stage
-    alone, all else at the old defaults 16 x 4 x 1, diag_warps 4, wu 16 x 4 x 1): num_stages 2
-    1147 against 1225 us (bounded gate), wu_block_k 64 1158 (32: 1167), diag_warps 2 1828
-    against 1981 us (unbounded gate); num_warps 2 was slower (1370).
+    The other defaults are the fastest of one H200 job (2026-12-01, B=1, T=8192, H=32, the
+    stage alone, all else at the old defaults 16 x 4 x 1, diag_warps 4, wu 16 x 4 x 1):
+    num_stages 2 1147 against 1225 us (bounded gate), wu_block_k 64 1158 (32: 1167), diag_warps
+    2 1828 against 1981 us (unbounded gate); num_warps 2 was slower (1370). Session 6's job at
+    block_k 16 (1082.8 us): num_stages 3 1062.6, wu_stages 2 1080.4, both 1051.4, wu_warps 8
+    1095.4, wu_block_k 128 1158.1 (kept as they are: block_k 32 was the one clear gain).
     """
 
     sub: int = 16
-    block_k: int = 16
+    block_k: int = 32
     num_warps: int = 4
     num_stages: int = 2
     diag_warps: int = 2
@@ -118,8 +123,9 @@ class PrepareBlockSizes:
 
     @staticmethod
     def default_for(k: int, v: int) -> PrepareBlockSizes:
-        """The defaults, with the w/u slices no wider than K and V (powers of two >= 16)."""
-        return PrepareBlockSizes(wu_block_k=min(PrepareBlockSizes.wu_block_k, k, v))
+        """The defaults, with both kernels' slices no wider than K and V (powers of two >= 16)."""
+        d = PrepareBlockSizes
+        return d(block_k=min(d.block_k, k, v), wu_block_k=min(d.wu_block_k, k, v))
 
 
 def _rows_and_cols(n: int):

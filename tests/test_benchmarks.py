@@ -39,3 +39,26 @@ def test_stage_profile_configs_build_block_sizes():
     for bad in ("32x8", "split=1", "num_stages=two"):
         with pytest.raises(ValueError, match="bad --configs entry"):
             stage_profile.prepare_block_sizes(bad)
+
+
+def test_decode_profile_core_records_carry_the_table_keys():
+    """A core:B record gets the results table's keys from its own figures (busy per step, FLA's
+    busy per call); a record saved before the shape named the warps claims none."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import decode_profile
+
+    from kda_jax.config import preset
+
+    cfg = preset("kimi-linear-48b")
+    rec = dict(bench="core_profile", shape="B=8,block_v=32,warps=4", busy_us=9.1, fla_busy_us=11.3)
+    keys = decode_profile.table_keys(rec, cfg)
+    assert keys["bench"] == "decode_core_device"
+    assert keys["shape"] == "B=8,H=32,K=128,R=1"
+    assert keys["backend"] == "pallas[block_v=32,warps=4]"
+    assert keys["time_us"] == 9.1
+    assert keys["baseline"]["time_us"] == 11.3
+    # The fp32 state of 8 x 32 heads read and written is 33.5 MB, 7.8 us at 4.3 TB/s.
+    assert 7.8 < keys["floor_us"] < 8.0
+    old = dict(rec, shape="B=8,block_v=32", fla_busy_us=None)
+    keys = decode_profile.table_keys(old, cfg)
+    assert keys["backend"] == "pallas[block_v=32]" and keys["baseline"] is None

@@ -135,17 +135,17 @@ def test_prepare_fused_l2(rng):
     "blk",
     [
         PrepareBlockSizes.default_for(K, K),
-        PrepareBlockSizes(num_stages=1, diag_warps=4, wu_block_k=16),
-        PrepareBlockSizes(wu_block_k=32, wu_stages=2),
+        PrepareBlockSizes(block_k=16, num_stages=1, diag_warps=4, wu_block_k=16),
+        PrepareBlockSizes(block_k=16, wu_block_k=32, wu_stages=2),
     ],
     ids=["default", "unpipelined", "wu-pipelined"],
 )
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
 def test_prepare_column_slices(rng, lower_bound, blk):
-    """K and V streamed in two slices (block_k=16 of 32) over four sub-blocks (chunk 64), with
-    the L2 norm fused: the scores summed slice by slice equal the reference; the w/u kernel on
-    one 32-wide slice (the default's 64 capped at K) or two 16-wide ones, loads pipelined or
-    not (stages matter on a GPU)."""
+    """Four sub-blocks (chunk 64) with the L2 norm fused, K and V in one 32-wide slice (the
+    default's 32) or streamed in two (block_k=16 of 32): the scores summed slice by slice equal
+    the reference; the w/u kernel on one 32-wide slice (the default's 64 capped at K) or two
+    16-wide ones, loads pipelined or not (stages matter on a GPU)."""
     q, k, v, f, beta, lengths, a_log, dt_bias = _prep_args(_inputs(rng))
     kw = dict(scale=K**-0.5, chunk=64, lower_bound=lower_bound, mm_dtype=f32)
     got = _chunk_prepare(
@@ -161,6 +161,7 @@ def test_prepare_column_slices(rng, lower_bound, blk):
 def test_prepare_default_block_sizes_fit_head_dim():
     assert PrepareBlockSizes.default_for(128, 128) == PrepareBlockSizes()
     assert PrepareBlockSizes.default_for(32, 64).wu_block_k == 32
+    assert PrepareBlockSizes.default_for(16, 64) == PrepareBlockSizes(block_k=16, wu_block_k=16)
 
 
 @pytest.mark.parametrize("name", ["block_k", "wu_block_k"])

@@ -1,16 +1,14 @@
 #!/usr/bin/env bash
-# The next GPU session's first job (repo root on the device machine; results in $OUT): where
-# chunk_prepare's time goes, by leaving phases out, and two candidate precisions of its T phase.
-# Each patch of benchmarks/wip/ is applied to a copy of this tree; every tree's prepare stage is
-# timed by stage_profile.py in its own process, the same way, in one job (~6 min). The
-# leave_out_* trees compute wrong outputs: they are for timing only, never tested or kept.
-#   bash benchmarks/wip/next_gpu_job.sh stages   # base + 4 patched trees, bounded gate
-#   bash benchmarks/wip/next_gpu_job.sh tests    # compiled test_chunk.py in the inverse_* trees
-#   bash benchmarks/wip/next_gpu_job.sh final    # this tree: compiled decode tests, bench_decode,
-#                                                # the whole-block prefill, the decode profile
-#   bash benchmarks/wip/next_gpu_job.sh knobs    # prepare block-size knobs, compiled test_conv
+# The next GPU session's jobs (repo root on the device machine; results in $OUT). Written in
+# session 6 after its GPU time was spent; CPU-checked only (benchmarks/wip/README.md).
+#   bash benchmarks/wip/next_gpu_job.sh stages   # prepare stage: this tree against score_rows.patch,
+#                                                # both gates (~2 min)
+#   bash benchmarks/wip/next_gpu_job.sh tests    # compiled test_chunk.py in the patched tree, then
+#                                                # its core against FLA (~8 min)
+#   bash benchmarks/wip/next_gpu_job.sh rest     # compiled test_gemv, test_gate, test_o_norm (~3 min)
+# The device returns 8 files at most: everything is also packed into $OUT/all.tgz.
 set -uo pipefail
-what=${1:?stages, tests, final or knobs}
+what=${1:?stages, tests or rest}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -28,37 +26,22 @@ run() {  # run DIR LABEL SECONDS CMD...: one step in a tree, with its own time l
   (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "$limit" "$@") > "$OUT/$label.log" 2>&1
   echo "$label: rc=$? $(tail -n 1 "$OUT/$label.log")"
 }
+T="python3 -m pytest -q -p no:cacheprovider -p no:warnings -rfE"
 if [ "$what" = stages ]; then
-  # The prepare stage alone (--skip-core: no chunk_kda or FLA timing, whose autotuning took
-  # the first try's 60-90 s limits), bounded gate, the base first and again last (its spread).
-  stage="python3 benchmarks/stage_profile.py --skip-core --gates bounded --scan-configs none"
-  run "$base" base 240 $stage --kernels --out "$OUT/base.json"
-  for p in leave_out_inverse leave_out_scores leave_out_norms inverse_bf16x6; do
-    dir=$(tree "$p") || { echo "$p: does not apply"; continue; }
-    run "$dir" "$p" 150 $stage --out "$OUT/$p.json"
-  done
-  run "$base" base_again 150 $stage --out "$OUT/base_again.json"
+  stage="python3 benchmarks/stage_profile.py --skip-core --scan-configs none"
+  dir=$(tree score_rows) || { echo "score_rows: does not apply"; exit 1; }
+  run "$base" base 150 $stage --kernels --out "$OUT/base.json"
+  run "$dir" score_rows 150 $stage --kernels --out "$OUT/score_rows.json"
+  run "$base" base_again 100 $stage --out "$OUT/base_again.json"
   grep -hE "^chunk_prepare|^ours|kda_chunk" "$OUT"/*.log
-elif [ "$what" = final ]; then
-  T="python3 -m pytest -q -p no:cacheprovider -p no:warnings -rfE"
-  run "$base" tests_decode 170 $T tests/test_recurrent.py tests/test_forward_pallas.py
-  run "$base" bench_decode 150 python3 benchmarks/bench_decode.py --quick --out "$OUT/bench_decode.json"
-  run "$base" bench_prefill 200 python3 benchmarks/bench_prefill.py --quick --block-only \
-    --out "$OUT/bench_prefill_block.json"
-  run "$base" profile 60 python3 benchmarks/decode_profile.py --cases decode:1,decode:64,decode_k:8 \
-    --out "$OUT/profile.json"
-  grep -hE "^(decode|prefill|core)|passed|failed" "$OUT"/*.log | cut -c1-220
-elif [ "$what" = knobs ]; then
-  run "$base" knobs 200 python3 benchmarks/stage_profile.py --skip-core --gates bounded \
-    --scan-configs none --out "$OUT/knobs.json" --configs \
-    default,block_k=32,num_stages=3,wu_stages=2,wu_warps=8,wu_block_k=128,num_stages=3+wu_stages=2
-  run "$base" tests_conv 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings -rfE \
-    tests/test_conv.py
-  grep -hE "^chunk_prepare|passed|failed" "$OUT"/*.log
+elif [ "$what" = tests ]; then
+  dir=$(tree score_rows) || { echo "score_rows: does not apply"; exit 1; }
+  run "$dir" tests_chunk 200 $T tests/test_chunk.py
+  run "$dir" bench_prefill 300 python3 benchmarks/bench_prefill.py --quick --core-only \
+    --out "$OUT/bench_prefill_core.json"
+  grep -hE "^prefill_core|passed|failed" "$OUT"/*.log | cut -c1-200
 else
-  T="python3 -m pytest -q -p no:cacheprovider -p no:warnings -rfE tests/test_chunk.py"
-  for p in inverse_bf16x6 inverse_tf32x3; do
-    dir=$(tree "$p") || { echo "$p: does not apply"; continue; }
-    run "$dir" "tests_$p" 200 $T
-  done
+  run "$base" tests_rest 200 $T tests/test_gemv.py tests/test_gate.py tests/test_o_norm.py
+  grep -hE "passed|failed" "$OUT"/*.log
 fi
+(cd "$OUT" && tar czf all.tgz ./*.log ./*.json 2>/dev/null)
