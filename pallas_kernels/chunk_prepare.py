@@ -25,7 +25,7 @@ Structure (registers decide the speed here: the first version held the [C, K] ch
      unbounded gate's diagonal blocks come from phase 0.
   3. T = (I + L)^-1 from the scratch's [sub, sub] blocks, stored back into the scratch.
   4. In a second kernel (`kda_chunk_wu`, with its own occupancy: at the defaults ptxas gives it
-     119 registers against the first one's 142; H200, 2026-12-01, bounded gate at B=1,
+     119 registers against the first one's 168; H200, 2026-12-01, bounded gate at B=1,
      T=8192: the whole core went from 1771 to 1564 us across the split, in two jobs; a
      one-kernel rewrite measured slower in session 5, benchmarks/NOTES.md), w and u as products
      T @ (beta k exp(G)) and T @ (beta v), slice by slice, from T, G and the row scales left
@@ -99,9 +99,9 @@ class PrepareBlockSizes:
         bounded, 3 programs/SM as with 16's 142; 247 unbounded, 2/SM). With num_stages 1 and
         the older kernel 16 had measured 7% faster.
       num_warps: Triton warps per program (8 and 2 measured slower than 4).
-      num_stages: Triton software-pipelining depth of the slice loops' loads (ptxas, sm_90a:
-        2 -> 142 registers and 13 KB of shared memory for the pipelined loads, 3 programs/SM;
-        1 -> 128 registers, 4 programs/SM).
+      num_stages: Triton software-pipelining depth of the slice loops' loads (ptxas, sm_90a,
+        at block_k 16: 2 -> 142 registers and 13 KB of shared memory for the pipelined loads, 3
+        programs/SM; 1 -> 128 registers, 4 programs/SM).
       diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel.
       wu_block_k, wu_warps, wu_stages: block_k, num_warps and num_stages of the w/u kernel.
     The other defaults are the fastest of one H200 job (2026-12-01, B=1, T=8192, H=32, the
