@@ -111,7 +111,10 @@ def table_keys(rec: dict, cfg) -> dict:
     # Records saved before the shape named the warps say the V tile only (the warps were the
     # default of the tree that ran them).
     tile = ",".join(f"{k}={fields[k]}" for k in ("block_v", "warps") if k in fields)
-    acts, _, state = _core_inputs(b, cfg.heads, cfg.head_dim, jax.random.key(b))
+    # Shapes only: nothing is allocated (this runs on the GPU right after a measurement).
+    acts, _, state = jax.eval_shape(
+        lambda: _core_inputs(b, cfg.heads, cfg.head_dim, jax.random.key(b))
+    )
     fla = rec.get("fla_busy_us")
     return dict(
         bench="decode_core_device",

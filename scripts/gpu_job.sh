@@ -5,13 +5,7 @@
 # what finished. fla-core 0.6.0 (FLA baselines) is installed from a carried .whl/ if present.
 set -uo pipefail
 what=${1:-all}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source scripts/gpu_common.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then

@@ -9,23 +9,7 @@
 # The device returns 8 files at most: everything is also packed into $OUT/all.tgz.
 set -uo pipefail
 what=${1:?stages, tests or rest}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-fi
-base=$PWD
-tree() {  # tree NAME: a copy of this tree with benchmarks/wip/NAME.patch applied; prints its path
-  local dir=/tmp/tree_$1
-  rm -rf "$dir"; cp -r "$base" "$dir"
-  (cd "$dir" && patch -s -p1 < "benchmarks/wip/$1.patch") || return 1
-  echo "$dir"
-}
-run() {  # run DIR LABEL SECONDS CMD...: one step in a tree, with its own time limit
-  local dir=$1 label=$2 limit=$3; shift 3
-  (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "$limit" "$@") > "$OUT/$label.log" 2>&1
-  echo "$label: rc=$? $(tail -n 1 "$OUT/$label.log")"
-}
+source scripts/gpu_common.sh
 T="python3 -m pytest -q -p no:cacheprovider -p no:warnings -rfE"
 if [ "$what" = stages ]; then
   stage="python3 benchmarks/stage_profile.py --skip-core --scan-configs none"
