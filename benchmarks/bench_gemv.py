@@ -1,7 +1,8 @@
 """Times the decode projections: Pallas gemv / gemv_batchm against XLA's dot, at the block's shapes.
 
 Shapes (bf16 weights, Kimi-Linear geometry): w_in [12576, 2304] (58 MB), o_proj [2304, 4096]
-(18.9 MB), f_b [4096, 128] (1 MB); M = 1, 2, 4, 8 activation rows. The floor is the weight bytes
+(18.9 MB), f_b [4096, 128] (1 MB); M = 1, 2, 4, 8 activation rows, and 64 (decode at B = 64,
+the kernel's tiling for 9..64 rows). The floor is the weight bytes
 over 4.3 TB/s (the H200's measured copy bandwidth); effective TB/s = weight bytes / time.
 
 Method: one jit runs a `fori_loop` (static trip count) whose body makes at least 16 projection
@@ -17,6 +18,7 @@ that share and is reported beside the figures, never subtracted from them. The X
 Usage (on the GPU):
   python benchmarks/bench_gemv.py --out results.json [--quick]
   python benchmarks/bench_gemv.py --sweep --out sweep.json   # block sizes on w_in, o_proj
+  python benchmarks/bench_gemv.py --sweep --sweep-rows 64 --out sweep64.json  # ... at M = 64
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def _record(args, device, bench, shape, backend, t, floor, baseline, **extra):
 
 
 def main_cases(args, device, target_s, reps):
-    ms = (1, 8) if args.quick else (1, 2, 4, 8)
+    ms = (1, 8, 64) if args.quick else (1, 2, 4, 8, 64)
     key = jax.random.key(0)
     records, rows = [], []
     overhead = {}
@@ -182,26 +184,36 @@ def main_cases(args, device, target_s, reps):
     return records
 
 
+def _candidates(name: str, m: int):
+    """(block_n, block_d, warps, stages, split) candidates for a weight at M rows."""
+    if m > G.MAX_KERNEL_ROWS:  # an activation tile of up to 64 rows: narrower slices, wider rows
+        splits = (1, 2, 3) if name == "w_in" else (1, 2, 4)
+        return itertools.product((32, 64, 128), (64, 128), (4, 8), (3,), splits)
+    # w_in (17.8 us for a 13.5 us read in the decode step, 2026-12-01): also more warps, deeper
+    # pipelines and a few D splits (more programs in flight per SM).
+    splits = (1, 2, 3) if name == "w_in" else (1, 2, 4, 8)
+    warps_list, stages_list = ((4, 8), (3, 4, 6)) if name == "w_in" else ((4,), (3, 4))
+    return itertools.product((16, 32, 64), (128, 256), warps_list, stages_list, splits)
+
+
 def sweep_cases(args, device, target_s, reps):
-    """Times every block-size candidate on w_in and o_proj at M = 1 and M = 8."""
+    """Times every block-size candidate on w_in and o_proj at each M of --sweep-rows, with XLA's
+    dot beside each (same loop, same weights)."""
     key = jax.random.key(0)
     records, rows = [], []
     for name in ("w_in", "o_proj"):
         n, d = SHAPES[name]
         ws = _weights(n, d, jnp.bfloat16)
         floor = n * d * 2 / HBM_BYTES_PER_S
-        for m in (1, 8):
+        for m in args.sweep_rows:
             x = jax.random.normal(key, (m, d), jnp.float32).astype(jnp.bfloat16)
             fn = G.gemv if m == 1 else G.gemv_batchm
-            # w_in (17.8 us for a 13.5 us read in the decode step, 2026-12-01): also more warps,
-            # deeper pipelines and a few D splits (more programs in flight per SM).
-            splits = (1, 2, 3) if name == "w_in" else (1, 2, 4, 8)
-            warps_list, stages_list = ((4, 8), (3, 4, 6)) if name == "w_in" else ((4,), (3, 4))
-            for bn, bd, warps, stages, split in itertools.product(
-                (16, 32, 64), (128, 256), warps_list, stages_list, splits
-            ):
-                if m == 8 and not args.sweep_m8:
-                    continue
+            t_xla = time_calls(ref.gemv_reference, x, ws, max(floor, 3e-6), target_s, reps)
+            shape = f"{name} [{n}, {d}] M={m}, xla dot"
+            rec = _record(args, device, "gemv_sweep", shape, "xla_dot", t_xla, floor, None)
+            records.append(rec)
+            rows.append((shape, t_xla, floor))
+            for bn, bd, warps, stages, split in _candidates(name, m):
                 if (d // bd) % split:
                     continue
                 bs = G.GemvBlockSizes(bn, bd, warps, stages, split)
@@ -235,9 +247,14 @@ def sweep_cases(args, device, target_s, reps):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the JSON list of records here")
-    parser.add_argument("--quick", action="store_true", help="M = 1 and 8 only, shorter loops")
+    parser.add_argument("--quick", action="store_true", help="M = 1, 8 and 64 only, shorter loops")
     parser.add_argument("--sweep", action="store_true", help="time block-size candidates instead")
-    parser.add_argument("--sweep-m8", action="store_true", help="also sweep at M = 8")
+    parser.add_argument(
+        "--sweep-rows",
+        type=lambda v: tuple(int(m) for m in v.split(",")),
+        default=(1,),
+        help="comma-separated M values to sweep (default 1)",
+    )
     args = parser.parse_args()
     args.commit = _commit()
     device = jax.devices()[0].device_kind

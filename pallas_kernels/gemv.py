@@ -10,8 +10,8 @@ power-of-two slices of `block_d` columns (2304 = 9 * 256), streaming each weight
 last row tile and a ragged last D slice are masked, so N and D need not be tile multiples.
 
 Bit equality between `gemv` and `gemv_batchm` (what makes `decode_k` equal k serial `decode`s):
-both run ONE program, `_gemv_kernel`, whose activation tile always has `_ROWS` = 16 rows (the
-smallest tensor-core tile); rows at or past M are masked to zero on load and never stored. Each
+both run ONE program, `_gemv_kernel`, whose activation tile always has 16 rows (the smallest
+tensor-core tile) for M <= 8; rows at or past M are masked to zero on load and never stored. Each
 output element is then the same chain of products and fp32 accumulations (tensor-core MMA for
 bf16, IEEE fp32 FMA for fp32 weights), in the same order (D slices in sequence), whatever M is and
 whatever the other rows hold: a row's bits cannot depend on M. The block sizes must match too, so
@@ -31,6 +31,13 @@ of operations whatever M is. Part bounds must be multiples of 16 rows; a bound t
 multiple of the default row tile lowers that tile for the whole weight (still independent of
 M, so rows keep their bits across M; w_in's bounds are multiples of its tile).
 
+Many rows (9 <= M <= 64: decode at B = 64, a batched verify): the same program with an
+activation tile of next_pow2(M) rows and a tiling of its own (`GemvBlockSizes.default_for`).
+The product is still bound by the weight's read at these M (w_in at M = 64: 3.7 GFLOP against
+58 MB), which this sweep streams once, writing w_in's parts apart; XLA's dot (a Triton GEMM
+fusion) plus the slices of its output measured slower there (benchmarks/NOTES.md). Rows above
+8 have their own tiling, so their bits need not match the M <= 8 path's.
+
 `proj` is the stage function the block's forward calls (signature of
 `reference.gemv_reference`), `proj_many` the one for several weights; both dispatch on M.
 """
@@ -49,12 +56,24 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels import common
 from pallas_kernels import reference as ref
 
-__all__ = ["GemvBlockSizes", "MAX_KERNEL_ROWS", "gemv", "gemv_batchm", "proj", "proj_many"]
+__all__ = [
+    "GemvBlockSizes",
+    "MAX_KERNEL_ROWS",
+    "MAX_TILE_ROWS",
+    "gemv",
+    "gemv_batchm",
+    "proj",
+    "proj_many",
+]
 
-# Rows of every activation tile: M is padded (by masking) to the smallest tensor-core tile.
+# Rows of the activation tile for M <= MAX_KERNEL_ROWS: M is padded (by masking) to the smallest
+# tensor-core tile.
 _ROWS = 16
-# Most rows the kernel serves; above it `proj` hands the product to XLA's dot (cuBLAS).
+# Most rows whose bits the kernel keeps whatever M is (gemv, gemv_batchm: decode_k's promise).
 MAX_KERNEL_ROWS = 8
+# Most rows the kernel serves (a tiling of its own above MAX_KERNEL_ROWS); above it `proj` hands
+# the product to XLA's dot (cuBLAS / a Triton GEMM fusion).
+MAX_TILE_ROWS = 64
 # Enough programs to give each of the H200's 132 SMs at least two row tiles.
 _TARGET_PROGRAMS = 2 * 132
 _WEIGHT_DTYPES = (jnp.bfloat16, jnp.float32)
@@ -91,10 +110,11 @@ class GemvBlockSizes:
 
     @classmethod
     def default_for(cls, n: int, d: int, m: int = 1, dtype=jnp.bfloat16) -> GemvBlockSizes:
-        """Block sizes for w [n, d] of `dtype` and x [m, d], m <= MAX_KERNEL_ROWS.
+        """Block sizes for w [n, d] of `dtype` and x [m, d], m <= MAX_TILE_ROWS.
 
-        The result does not depend on m: `gemv` and `gemv_batchm` must run the same program for
-        their rows to agree bit for bit (module docstring); m is validated only.
+        For m <= MAX_KERNEL_ROWS the result does not depend on m: `gemv` and `gemv_batchm` must
+        run the same program for their rows to agree bit for bit (module docstring); m > 8 takes
+        `_many_rows`' tiling.
         - block_d: the largest power of two dividing d, up to 256 columns for bf16 (512 B per row
           slice, 16-byte loads across a warp) or 128 for fp32; when d has no such divisor >= 32
           (d = 176 = 11 * 16), the next power of two above d (up to the same cap) and a masked
@@ -103,8 +123,10 @@ class GemvBlockSizes:
           (w_in: 32 -> 393 programs), else 16; but a weight that still has too few row tiles
           and long rows (o_proj [2304, 4096]) takes 32 x 128 tiles and splits D (split_d = 8).
         """
-        if not 1 <= m <= MAX_KERNEL_ROWS:
-            raise ValueError(f"default_for: m={m} rows, expected 1 <= m <= {MAX_KERNEL_ROWS}")
+        if not 1 <= m <= MAX_TILE_ROWS:
+            raise ValueError(f"default_for: m={m} rows, expected 1 <= m <= {MAX_TILE_ROWS}")
+        if m > MAX_KERNEL_ROWS:
+            return cls._many_rows(n, d)
         cap = 256 if jnp.dtype(dtype).itemsize <= 2 else 128
         block_d = min(cap, _largest_pow2_divisor(d))
         if block_d < 32 and d > block_d:
@@ -128,12 +150,30 @@ class GemvBlockSizes:
                 split_d *= 2
         return cls(block_n=block_n, block_d=block_d, num_stages=num_stages, split_d=split_d)
 
+    @classmethod
+    def _many_rows(cls, n: int, d: int) -> GemvBlockSizes:
+        """9..64 rows: slices of at most 128 columns (a [64, 128] activation tile and the weight
+        tile, pipelined, stay within shared memory), 64 weight rows per program while that
+        leaves one program per SM (w_in: 197), else 32 with D split until it does (o_proj:
+        72 row tiles x 2)."""
+        block_d = max(16, min(128, _largest_pow2_divisor(d)))
+        if block_d < 32 and d > block_d:
+            block_d = min(128, common.next_pow2(d))
+        block_n = 64 if common.cdiv(n, 64) >= _TARGET_PROGRAMS // 2 else 32
+        split_d, steps = 1, common.cdiv(d, block_d)
+        while (
+            common.cdiv(n, block_n) * split_d < _TARGET_PROGRAMS // 2 and steps % (2 * split_d) == 0
+        ):
+            split_d *= 2
+        return cls(block_n=block_n, block_d=block_d, num_stages=3, split_d=split_d)
+
 
 def _gemv_kernel(
-    *refs, groups: int, m: int, n: int, d: int, bs: GemvBlockSizes, steps: int, bounds
+    *refs, groups: int, m: int, rows: int, n: int, d: int, bs: GemvBlockSizes, steps: int, bounds
 ):
     """One program: rows n0:n0+block_n (n0 = program_id(0) * block_n) of group program_id(2),
-    over the D range of split = program_id(1) (`steps` slices of block_d).
+    over the D range of split = program_id(1) (`steps` slices of block_d); `rows` >= m is the
+    activation tile's height (16 for m <= 8).
 
     refs: x refs [m, d] (any float dtype, cast to w's dtype on load, as the reference does), one
     per group; w refs [n, d], one per group; then per group one y ref [split_d, m, n_s] per output
@@ -146,7 +186,7 @@ def _gemv_kernel(
     n0 = pl.program_id(0) * block_n
     split = pl.program_id(1)  # read here: interpret mode cannot see program_id inside pl.when
     first = split * steps
-    x_rows = lax.broadcasted_iota(jnp.int32, (_ROWS, block_d), 0) < m  # [_ROWS, block_d]
+    x_rows = lax.broadcasted_iota(jnp.int32, (rows, block_d), 0) < m  # [rows, block_d]
     w_rows = n0 + lax.broadcasted_iota(jnp.int32, (block_n, block_d), 0) < n  # [block_n, block_d]
     ragged_n = n % block_n != 0
     ragged_d = d % block_d != 0
@@ -156,11 +196,11 @@ def _gemv_kernel(
             k0 = pl.multiple_of((first + i) * block_d, block_d)
             x_mask, w_mask = x_rows, (w_rows if ragged_n else None)
             if ragged_d:
-                x_cols = k0 + lax.broadcasted_iota(jnp.int32, (_ROWS, block_d), 1) < d
+                x_cols = k0 + lax.broadcasted_iota(jnp.int32, (rows, block_d), 1) < d
                 w_cols = k0 + lax.broadcasted_iota(jnp.int32, (block_n, block_d), 1) < d
                 x_mask = x_mask & x_cols
                 w_mask = w_cols if w_mask is None else w_mask & w_cols
-            xt = plt.load(x_ref.at[pl.ds(0, _ROWS), pl.ds(k0, block_d)], mask=x_mask, other=0)
+            xt = plt.load(x_ref.at[pl.ds(0, rows), pl.ds(k0, block_d)], mask=x_mask, other=0)
             wt = plt.load(
                 w_ref.at[pl.ds(n0, block_n), pl.ds(k0, block_d)],
                 mask=w_mask,
@@ -176,13 +216,13 @@ def _gemv_kernel(
             )
             return acc + part
 
-        return lax.fori_loop(0, steps, step, jnp.zeros((_ROWS, block_n), jnp.float32))
+        return lax.fori_loop(0, steps, step, jnp.zeros((rows, block_n), jnp.float32))
 
     def store(y_ref, acc, lo, hi):
-        y_rows = lax.broadcasted_iota(jnp.int32, (_ROWS, block_n), 0) < m
-        y_cols = n0 + lax.broadcasted_iota(jnp.int32, (_ROWS, block_n), 1) < hi
+        y_rows = lax.broadcasted_iota(jnp.int32, (rows, block_n), 0) < m
+        y_cols = n0 + lax.broadcasted_iota(jnp.int32, (rows, block_n), 1) < hi
         plt.store(
-            y_ref.at[split, pl.ds(0, _ROWS), pl.ds(n0 - lo, block_n)],
+            y_ref.at[split, pl.ds(0, rows), pl.ds(n0 - lo, block_n)],
             acc.astype(y_ref.dtype),
             mask=y_rows & y_cols,
         )
@@ -240,8 +280,9 @@ def _bounds(n: int, splits) -> tuple[int, ...]:
 
 
 def _sweep(xs, ws, *, out_dtype, block_sizes: GemvBlockSizes, bounds) -> list[list[jax.Array]]:
-    """xs[g] [M, D] (M <= 8) @ ws[g][N, D].T for every group g, one pass over each weight, in one
-    launch; group g's rows split at `bounds` -> [[y [M, n_s] out_dtype per segment] per group]."""
+    """xs[g] [M, D] (M <= 64) @ ws[g][N, D].T for every group g, one pass over each weight, in
+    one launch; group g's rows split at `bounds` -> [[y [M, n_s] out_dtype per segment] per
+    group]."""
     m, d = xs[0].shape
     n = ws[0].shape[0]
     bs = block_sizes
@@ -252,8 +293,9 @@ def _sweep(xs, ws, *, out_dtype, block_sizes: GemvBlockSizes, bounds) -> list[li
         raise ValueError(f"block_n={bs.block_n} must divide every split bound {bounds[1:-1]}")
     steps //= bs.split_d
     groups, segments = len(ws), len(bounds) - 1
+    rows = _ROWS if m <= MAX_KERNEL_ROWS else max(_ROWS, common.next_pow2(m))
     kernel = functools.partial(
-        _gemv_kernel, groups=groups, m=m, n=n, d=d, bs=bs, steps=steps, bounds=bounds
+        _gemv_kernel, groups=groups, m=m, rows=rows, n=n, d=d, bs=bs, steps=steps, bounds=bounds
     )
     part_dtype = out_dtype if bs.split_d == 1 else jnp.float32
     widths = [bounds[s + 1] - bounds[s] for s in range(segments)]
@@ -330,16 +372,17 @@ def gemv_batchm(
     block_sizes: GemvBlockSizes | None = None,
     splits: tuple[int, ...] | None = None,
 ):
-    """2..8 rows in ONE sweep over w; row i has exactly the bits of `gemv(x[i:i+1], w)`.
+    """2..64 rows in ONE sweep over w. For M <= 8 row i has exactly the bits of
+    `gemv(x[i:i+1], w)`; 9..64 rows take a tiling of their own (the same products, other bits).
 
     Args:
-      x: [M, D] activations, 2 <= M <= 8, any float dtype (cast to w.dtype first).
+      x: [M, D] activations, 2 <= M <= 64, any float dtype (cast to w.dtype first).
       w: [N, D] bf16 or fp32 weight, torch `[out, in]` layout.
       out_dtype, block_sizes, splits: as for `gemv` (the same defaults give the same bits).
     Returns:
       [M, N] out_dtype, or a tuple of [M, n_s] when `splits` is given.
     """
-    return _run([x], [w], out_dtype, block_sizes, splits, "gemv_batchm", (2, MAX_KERNEL_ROWS))[0]
+    return _run([x], [w], out_dtype, block_sizes, splits, "gemv_batchm", (2, MAX_TILE_ROWS))[0]
 
 
 def proj(x: jax.Array, w: jax.Array, *, out_dtype=None, splits: tuple[int, ...] | None = None):
@@ -347,11 +390,13 @@ def proj(x: jax.Array, w: jax.Array, *, out_dtype=None, splits: tuple[int, ...] 
 
     Dispatch on the row count M (a static shape, so one branch is traced; inputs are validated
     the same way on both branches):
-    - M == 1: `gemv`; 2 <= M <= 8: `gemv_batchm` (decode and the speculative verify, where the
-      product is bound by reading the weight once, and rows must agree bit for bit across M);
-    - M > 8: XLA's dot (`reference.gemv_reference`, cuBLAS on a GPU): with many rows the product
-      is a real matmul and cuBLAS's tensor-core tiles beat a weight-streaming kernel. This is a
-      deliberate split, not a fallback: rows there do not match the kernel path's bits.
+    - M == 1: `gemv`; 2 <= M <= 64: `gemv_batchm` (decode and the speculative verify, where the
+      product is bound by reading the weight once; rows agree bit for bit across M <= 8, and
+      rows above 8 take a tiling of their own);
+    - M > 64 (prefill): XLA's dot (`reference.gemv_reference`, cuBLAS or a Triton GEMM fusion on
+      a GPU): with many rows the product is a real matmul and tensor-core GEMM tiles beat a
+      weight-streaming kernel. This is a deliberate split, not a fallback: rows there do not
+      match the kernel path's bits.
 
     Args:
       x: [M, D], M >= 1, any float dtype; w: [N, D] bf16 or fp32 (any D, e.g. K = 128 for f_b).
@@ -364,8 +409,8 @@ def proj(x: jax.Array, w: jax.Array, *, out_dtype=None, splits: tuple[int, ...] 
     if x.ndim != 2 or x.shape[0] < 1:
         raise ValueError(f"proj: x has shape {tuple(x.shape)}, expected [M, D] with M >= 1")
     m = x.shape[0]
-    if m <= MAX_KERNEL_ROWS:
-        what, rng = ("gemv", (1, 1)) if m == 1 else ("gemv_batchm", (2, MAX_KERNEL_ROWS))
+    if m <= MAX_TILE_ROWS:
+        what, rng = ("gemv", (1, 1)) if m == 1 else ("gemv_batchm", (2, MAX_TILE_ROWS))
         return _run([x], [w], out_dtype, None, splits, what, rng)[0]
     _check(x, w, "proj", (m, m))
     _bounds(w.shape[0], splits)  # the kernel path's rules for splits, so both refuse alike
@@ -374,7 +419,7 @@ def proj(x: jax.Array, w: jax.Array, *, out_dtype=None, splits: tuple[int, ...] 
 
 def proj_many(xs, ws, *, out_dtype=None) -> tuple[jax.Array, ...]:
     """Several projections of one shape, y_g = xs[g] @ ws[g].T (`reference.proj_many_reference`):
-    one launch for M <= 8 (a grid axis over the weights; the decode step's f_b and g_b), XLA's
+    one launch for M <= 64 (a grid axis over the weights; the decode step's f_b and g_b), XLA's
     dots above, as in `proj`.
 
     Args:
@@ -398,8 +443,8 @@ def proj_many(xs, ws, *, out_dtype=None) -> tuple[jax.Array, ...]:
             f"{[tuple(a.shape) for a in xs]}, w {[(tuple(a.shape), a.dtype) for a in ws]}"
         )
     m = xs[0].shape[0]
-    if m <= MAX_KERNEL_ROWS:
-        return tuple(_run(xs, ws, out_dtype, None, None, "proj_many", (1, MAX_KERNEL_ROWS)))
+    if m <= MAX_TILE_ROWS:
+        return tuple(_run(xs, ws, out_dtype, None, None, "proj_many", (1, MAX_TILE_ROWS)))
     for x, w in zip(xs, ws, strict=True):
         _check(x, w, "proj_many", (m, m))
     return ref.proj_many_reference(xs, ws, out_dtype=out_dtype)

@@ -176,22 +176,22 @@ def test_pallas_prefill_stage_by_stage_with_padding(name, rng):
         assert_close(s.recurrent[r : r + 1], s_o.recurrent, TOL["bf16_e2e"], f"row {r} S")
 
 
-@pytest.mark.parametrize("rows", [1, 4])
-def test_decode_step_launches_six_kernels_and_copies_nothing(rows):
+@pytest.mark.parametrize("batch,rows", [(1, 1), (1, 4), (64, 1)])
+def test_decode_step_launches_six_kernels_and_copies_nothing(batch, rows):
     """One decode (or k-row verify) step on the kernel path is six Pallas launches (w_in with its
     four outputs, f_b | g_b, conv, recurrence, RMSNorm, o_proj) and slices no projection or
     conv output (each kernel writes the arrays the next one reads): every extra XLA op between
-    them was a ~1 us kernel on the H200 (benchmarks/NOTES.md)."""
+    them was a ~1 us kernel on the H200 (benchmarks/NOTES.md). B = 64 too (64 projection rows)."""
     cfg = K.preset("kimi-linear-48b")
     p = jax.eval_shape(lambda: K.init_params(cfg, jax.random.key(0), DTYPE))
-    s = jax.eval_shape(lambda: K.KdaState.zeros(cfg, 1))
-    x = jax.ShapeDtypeStruct((1, rows, cfg.hidden), DTYPE)
+    s = jax.eval_shape(lambda: K.KdaState.zeros(cfg, batch))
+    x = jax.ShapeDtypeStruct((batch, rows, cfg.hidden), DTYPE)
     jaxpr = jax.make_jaxpr(lambda p, x, s: K.decode_k(p, cfg, x, s, backend="pallas"))(p, x, s)
     text = str(jaxpr)
     assert text.count("pallas_call[") == 6, text.count("pallas_call[")
     # The only slices left are o_proj's split-D partial sums (fused into their sum by XLA) and,
     # with rows > 1, the last conv snapshot taken as the new state.
-    allowed = (f"f32[1,{rows},2304] = slice[", "f32[1,1,3,12288] = slice[")
+    allowed = (f"f32[1,{batch * rows},2304] = slice[", f"f32[{batch},1,3,12288] = slice[")
     sliced = [ln.strip() for ln in text.splitlines() if "slice[" in ln]
     assert sliced and all(ln.endswith(allowed) for ln in sliced), sliced
     assert (rows > 1) == any(ln.endswith(allowed[1]) for ln in sliced), sliced
@@ -200,12 +200,12 @@ def test_decode_step_launches_six_kernels_and_copies_nothing(rows):
 def test_prefill_slices_only_the_xla_projection():
     """Prefill on the kernel path: conv_prefill writes q, k and v apart (no slice of its
     [T, 3P] fp32 output: ~0.8 GB of copy traffic at T = 8192); the only slices left are of
-    w_in's product, which XLA's dot computes for T > 8 rows."""
+    w_in's product, which XLA's dot computes for T > 64 rows."""
     cfg = K.preset("kimi-linear-48b")
     p = jax.eval_shape(lambda: K.init_params(cfg, jax.random.key(0), DTYPE))
     s = jax.eval_shape(lambda: K.KdaState.zeros(cfg, 1))
-    x = jax.ShapeDtypeStruct((1, 64, cfg.hidden), DTYPE)
+    x = jax.ShapeDtypeStruct((1, 128, cfg.hidden), DTYPE)
     text = str(jax.make_jaxpr(lambda p, x, s: K.prefill(p, cfg, x, s, backend="pallas"))(p, x, s))
     sliced = [ln.strip() for ln in text.splitlines() if "slice[" in ln]
-    assert sliced and all(ln.split(" = ")[0].split(":")[1].startswith("bf16[64,") for ln in sliced)
-    assert len(sliced) == 4, sliced  # q|k|v, f_a, g_a, b out of w_in's [64, 12576] product
+    assert sliced and all(ln.split(" = ")[0].split(":")[1].startswith("bf16[128,") for ln in sliced)
+    assert len(sliced) == 4, sliced  # q|k|v, f_a, g_a, b out of w_in's [128, 12576] product

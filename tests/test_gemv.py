@@ -52,7 +52,7 @@ def _exact_rows(got_rows, want_rows, what):
 # Correctness against the reference
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n,d", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 64])
 @pytest.mark.parametrize("w_dtype", [BF16, F32])
 def test_proj_matches_reference(rng, n, d, m, w_dtype):
     x, w = _inputs(rng, n, d, m, F32, w_dtype)
@@ -113,7 +113,9 @@ def test_batchm_rows_do_not_see_other_rows(rng):
 # --------------------------------------------------------------------------------------------
 # proj dispatch and small-K weights
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("m,kernel", [(1, True), (3, True), (8, True), (12, False)])
+@pytest.mark.parametrize(
+    "m,kernel", [(1, True), (3, True), (8, True), (12, True), (64, True), (65, False)]
+)
 def test_proj_dispatch(rng, m, kernel):
     n, k = F_B if ON_GPU else (64, 128)  # f_b / g_b: [P, K], x [M, K]
     x, w = _inputs(rng, n, k, m, BF16, BF16)
@@ -122,7 +124,7 @@ def test_proj_dispatch(rng, m, kernel):
     got = G.proj(x, w, out_dtype=F32)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T  # independent of XLA's dot
     assert_close(got, want, FP32_TOL, f"proj M={m}")
-    if kernel and m > 1:
+    if kernel and 1 < m <= G.MAX_KERNEL_ROWS:
         _exact_rows(got[:1], G.gemv(x[:1], w, out_dtype=F32), f"proj M={m} row 0")
 
 
@@ -138,26 +140,32 @@ def test_bad_inputs_are_refused():
         G.proj(jnp.ones((96,), BF16), w)
     with pytest.raises(ValueError, match="M = 2 rows, expected 1 <= M <= 1"):
         G.gemv(jnp.ones((2, 96), BF16), w)
-    with pytest.raises(ValueError, match="M = 1 rows, expected 2 <= M <= 8"):
+    with pytest.raises(ValueError, match="M = 1 rows, expected 2 <= M <= 64"):
         G.gemv_batchm(x1, w)
-    with pytest.raises(ValueError, match="M = 9 rows, expected 2 <= M <= 8"):
-        G.gemv_batchm(jnp.ones((9, 96), BF16), w)
+    with pytest.raises(ValueError, match="M = 65 rows, expected 2 <= M <= 64"):
+        G.gemv_batchm(jnp.ones((65, 96), BF16), w)
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         G.gemv(x1, w.astype(jnp.float16))
     with pytest.raises(ValueError, match="expected \\[N, D\\]"):
         G.gemv(x1, w[None])
     with pytest.raises(ValueError, match="block_n=24: expected a power of two >= 16"):
         G.GemvBlockSizes(block_n=24, block_d=32)
-    with pytest.raises(ValueError, match="m=9 rows"):
-        G.GemvBlockSizes.default_for(100, 96, 9)
+    with pytest.raises(ValueError, match="m=65 rows"):
+        G.GemvBlockSizes.default_for(100, 96, 65)
 
 
 def test_default_block_sizes():
-    """Sizes ignore M (bit equality needs one program); w_in fills 132 SMs twice over with row
-    tiles, o_proj four times over with row tiles times D splits."""
+    """Sizes ignore M in 1..8 (bit equality needs one program) and again in 9..64; w_in fills
+    132 SMs twice over with row tiles, o_proj four times over with row tiles times D splits;
+    at 9..64 rows each weight gets at least one program per SM and slices of <= 128 columns."""
     for n, d in REAL_SHAPES + SMALL_SHAPES:
         sizes = {G.GemvBlockSizes.default_for(n, d, m) for m in range(1, 9)}
         assert len(sizes) == 1, (n, d, sizes)
+        many = {G.GemvBlockSizes.default_for(n, d, m) for m in range(9, 65)}
+        assert len(many) == 1 and next(iter(many)).block_d <= 128, (n, d, many)
+    for n, d in REAL_SHAPES[:2]:
+        bs = G.GemvBlockSizes.default_for(n, d, 64)
+        assert common.cdiv(n, bs.block_n) * bs.split_d >= 132, (n, d, bs)
     bs = G.GemvBlockSizes.default_for(*W_IN)
     assert W_IN[1] % bs.block_d == 0 and common.cdiv(W_IN[0], bs.block_n) >= 2 * 132, bs
     bs = G.GemvBlockSizes.default_for(*O_PROJ)
@@ -169,7 +177,7 @@ def test_default_block_sizes():
 # H200 cross-lowering at the real shapes (catches Triton lowering errors without a GPU)
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n,d", REAL_SHAPES)
-@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("m", [1, 4, 8, 64])
 def test_lowers_for_h200(n, d, m):
     for w_dtype in (BF16, F32) if (n, d) == O_PROJ else (BF16,):
         x = jax.ShapeDtypeStruct((m, d), BF16)
@@ -207,10 +215,11 @@ def test_default_splits_o_proj_only():
 W_IN_SPLITS = (3 * 4096, 128, 128, 32) if ON_GPU else (96, 16, 16, 5)
 
 
-@pytest.mark.parametrize("m", [1, 5, 8, 11])
+@pytest.mark.parametrize("m", [1, 5, 8, 11, 64, 65])
 def test_splits_match_reference_and_row_bits(rng, m):
-    """Each segment equals the reference's columns; kernel rows (M <= 8) keep their bits across M
-    and equal the unsplit kernel's (the segment is only where a tile is stored); M > 8 is XLA."""
+    """Each segment equals the reference's columns; kernel rows (M <= 8) keep their bits across M;
+    every kernel path (M <= 64) equals the unsplit kernel's bits (the segment is only where a
+    tile is stored); M > 64 is XLA."""
     d = W_IN[1] if ON_GPU else 96
     x, w = _inputs(rng, sum(W_IN_SPLITS), d, m, BF16, BF16)
     got = jax.jit(lambda x, w: G.proj(x, w, out_dtype=F32, splits=W_IN_SPLITS))(x, w)
@@ -219,15 +228,16 @@ def test_splits_match_reference_and_row_bits(rng, m):
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.shape == (m, W_IN_SPLITS[i]), a.shape
         assert_close(a, b, FP32_TOL, f"segment {i}, M={m}")
-    if m <= G.MAX_KERNEL_ROWS:
+    if m <= G.MAX_TILE_ROWS:
         whole = G.proj(x, w, out_dtype=F32)
         _exact_rows(jnp.concatenate(got, axis=1), whole, f"segments vs unsplit, M={m}")
+    if m <= G.MAX_KERNEL_ROWS:
         one = G.proj(x[-1:], w, out_dtype=F32, splits=W_IN_SPLITS)
         for i in range(len(got)):
             _exact_rows(got[i][-1:], one[i], f"segment {i}: last row of M={m} vs M=1")
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 12])
+@pytest.mark.parametrize("m", [1, 3, 8, 12, 64, 65])
 def test_proj_many_matches_reference_and_gemv_bits(rng, m):
     """Two weights in one launch (f_b, g_b): each output equals its own gemv bit for bit, and the
     reference within fp32 rounding."""
@@ -238,7 +248,7 @@ def test_proj_many_matches_reference_and_gemv_bits(rng, m):
     want = ref.proj_many_reference((x1, x2), (w1, w2))
     for i, (a, b, x, w) in enumerate(zip(got, want, (x1, x2), (w1, w2), strict=True)):
         assert_close(a, b, TOL["bf16_stage"], f"proj_many output {i}, M={m}")
-        if m <= G.MAX_KERNEL_ROWS:
+        if m <= G.MAX_TILE_ROWS:
             _exact_rows(a, G.proj(x, w), f"proj_many output {i} vs proj, M={m}")
 
 
@@ -246,7 +256,7 @@ def test_splits_and_groups_reject_bad_input():
     x, w = jnp.ones((2, 96), BF16), jnp.ones((100, 96), BF16)
     with pytest.raises(ValueError, match="summing to N=100"):
         G.proj(x, w, splits=(50, 40))
-    for m in (2, 12):  # the kernel path and the XLA path refuse the same splits
+    for m in (2, 12, 65):  # the kernel paths and the XLA path refuse the same splits
         with pytest.raises(ValueError, match="multiple of 16 rows"):
             G.proj(jnp.ones((m, 96), BF16), w, splits=(50, 50))
         with pytest.raises(ValueError, match="same x and w shapes"):
