@@ -104,8 +104,10 @@ def _conv_decode_kernel(x_ref, state_ref, *refs, rows, width, qk_groups, l2_eps,
     j = pl.program_id(1)  # read here: interpret mode cannot see program_id inside pl.when
     qk_mask = _qk_mask(x_ref.shape[1], qk_groups)
     window = [state_ref[i].astype(f32) for i in range(width - 1)]
-    for r in range(rows):
-        x_row = x_ref[r].astype(f32)
+    # Every row is loaded before the first store: a load after a store waits for it (the refs
+    # cannot be told apart), which made R rows R memory round trips.
+    x_rows = [x_ref[r].astype(f32) for r in range(rows)]
+    for r, x_row in enumerate(x_rows):
         y = _conv_row(window, x_row, taps, qk_mask, l2_eps)
         _store_segment(out_refs, tiles, j, r, y)
         window = window[1:] + [x_row]

@@ -81,12 +81,22 @@ def _decode(batch):
     return lambda p, x, s: forward.decode(p, cfg, x, s, backend="pallas"), (params, x, state)
 
 
+def _verify(rows):
+    """The whole block's verify step (decode_k, B = 1, `rows` rows), as `_decode`."""
+    fn, (params, x, state) = _decode(1)
+    del fn
+    cfg = preset("kimi-linear-48b")
+    x = jax.ShapeDtypeStruct((1, rows, cfg.hidden), BF16)
+    return lambda p, x, s: forward.decode_k(p, cfg, x, s, backend="pallas"), (params, x, state)
+
+
 CASES = {
     "prepare-bounded": lambda: _prepare(-5.0),
     "prepare-unbounded": lambda: _prepare(None),
     "scan": _scan,
     "decode-b1": lambda: _decode(1),
     "decode-b64": lambda: _decode(64),
+    "verify-k8": lambda: _verify(8),
 }
 
 
