@@ -75,6 +75,11 @@ f32 = jnp.float32
 HI = lax.Precision.HIGHEST
 # Largest masked-out exponent the factorised diagonal may form (fp32 exp overflows past 88).
 _FACTORISED_MAX_NATS = 80.0
+_LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2 e)
+# Widest K slice of the diagonal kernel's one-warp tiles ([sub, 64] fp32: 32 registers each).
+_DIAG_SLICE = 64
+# Rows of the diagonal kernel's tiles: key rows are picked from one such tile.
+_DIAG_TILE_ROWS = 8
 
 
 class ChunkIntermediates(NamedTuple):
@@ -105,7 +110,9 @@ class PrepareBlockSizes:
       num_stages: Triton software-pipelining depth of the slice loops' loads (ptxas, sm_90a,
         at block_k 16: 2 -> 142 registers and 13 KB of shared memory for the pipelined loads, 3
         programs/SM; 1 -> 128 registers, 4 programs/SM).
-      diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel.
+      diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel (1:
+        its [rows, 64] tiles then need no cross-warp reductions; ptxas at sm_90a: 0 spills,
+        8 programs/SM; not yet timed against 2).
       wu_block_k, wu_warps, wu_stages: block_k, num_warps and num_stages of the w/u kernel.
     The other defaults are the fastest of one H200 job (2026-12-01, B=1, T=8192, H=32, the
     stage alone, all else at the old defaults 16 x 4 x 1, diag_warps 4, wu 16 x 4 x 1):
@@ -119,7 +126,7 @@ class PrepareBlockSizes:
     block_k: int = 32
     num_warps: int = 4
     num_stages: int = 2
-    diag_warps: int = 2
+    diag_warps: int = 1
     wu_block_k: int = 64
     wu_warps: int = 4
     wu_stages: int = 1
@@ -181,42 +188,87 @@ def _diag_pairwise_kernel(
     len_ref, q_ref, k_ref, f_ref, ea_ref, dt_ref, a_ref, l_ref, *, lower_bound, l2_eps
 ):
     """One (sequence, sub-block, head) of the unbounded gate: the diagonal block's scores pair by
-    pair, one key column j at a time over all of K, from block-local cumulative sums Gl:
+    pair, one key column j at a time, from block-local cumulative sums Gl:
     a[i, j] = sum_d q_id k_jd exp(Gl_id - Gl_jd), l[i, j] the same with k_i, for j <= i (mask
     applied before `exp`: exact at any decay strength), 0 above.
+
+    The block's rows are held as tiles of `_DIAG_TILE_ROWS` rows and K as slices of
+    `_DIAG_SLICE` columns (one warp, no cross-warp reductions). Key column j of tile c is picked
+    from tile c alone (a masked sum over its few rows) and meets tile c (masked, rows i >= j) and
+    the later tiles (all rows live) only: the earlier tiles' rows i < j are never formed.
+    Exponentials are `exp2` of sums kept in log2 units (one ex2, where `exp` costs about ten
+    instructions). A later tile's sums continue from the exact last row of the one before, so
+    every exponent formed is <= 0 (the sums only decrease).
 
     A kernel of its own (many small programs, few registers: latency hidden by occupancy) rather
     than a phase of `_chunk_prepare_kernel`, where the same loop measured 1.85 ms at B=1, T=8192.
     len_ref: [Bp]; q_ref, k_ref, f_ref: [sub, K]; ea_ref, dt_ref: [K]; a_ref, l_ref: [sub, sub].
     """
     sub, kd = q_ref.shape
+    rt = min(sub, _DIAG_TILE_ROWS)
+    nt, width = sub // rt, min(kd, _DIAG_SLICE)
     seq, blk = pl.program_id(0), pl.program_id(1)
-    rid = lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
-    ok = blk * sub + rid < len_ref[seq]
-
-    def load(ref):
-        return plt.load(ref, mask=ok, other=0.0).astype(f32)
-
-    q, k = load(q_ref), load(k_ref)
-    if l2_eps is not None:
-        q = q * lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + l2_eps)
-        k = k * lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + l2_eps)
-    ea = ea_ref[...].astype(f32)[None, :]
-    dt = dt_ref[...].astype(f32)[None, :]
-    gl = jnp.cumsum(jnp.where(ok, gate_math(load(f_ref) + dt, ea, lower_bound), 0.0), axis=0)
+    rid = lax.broadcasted_iota(jnp.int32, (rt, 1), 0)  # row within a tile
     col_ids = lax.broadcasted_iota(jnp.int32, (1, sub), 1)
+    oks = [blk * sub + t * rt + rid < len_ref[seq] for t in range(nt)]
 
-    def column(j, accs):
-        pick = rid == j  # row j by a masked sum over rows (exact: adds zeros)
-        k_j = jnp.sum(jnp.where(pick, k, 0.0), axis=0, keepdims=True)
-        gl_j = jnp.sum(jnp.where(pick, gl, 0.0), axis=0, keepdims=True)
-        ke = k_j * jnp.exp(jnp.where(rid >= j, gl - gl_j, -jnp.inf))
-        a_col = jnp.sum(q * ke, axis=1, keepdims=True)
-        l_col = jnp.sum(k * ke, axis=1, keepdims=True)
-        return jnp.where(col_ids == j, a_col, accs[0]), jnp.where(col_ids == j, l_col, accs[1])
+    def load(ref, t, s):
+        cols = pl.ds(s * width, width)
+        return plt.load(ref.at[pl.ds(t * rt, rt), cols], mask=oks[t], other=0.0).astype(f32)
 
-    zero = jnp.zeros((sub, sub), f32)
-    a_ref[...], l_ref[...] = lax.fori_loop(0, sub, column, (zero, zero))
+    def over_slices(body, carry):
+        return lax.fori_loop(0, kd // width, body, carry)
+
+    if l2_eps is None:
+        rq = rk = nt * (1.0,)
+    else:
+        sums = over_slices(
+            lambda s, acc: tuple(
+                acc[i] + jnp.sum(jnp.square(load(ref, t, s)), axis=1, keepdims=True)
+                for i, (ref, t) in enumerate((r, t) for r in (q_ref, k_ref) for t in range(nt))
+            ),
+            2 * nt * (jnp.zeros((rt, 1), f32),),
+        )
+        inv = [lax.rsqrt(x + l2_eps) for x in sums]
+        rq, rk = inv[:nt], inv[nt:]
+
+    def one_slice(s, accs):
+        cols = pl.ds(s * width, width)
+        ea = ea_ref[cols].astype(f32)[None, :]
+        dt = dt_ref[cols].astype(f32)[None, :]
+        qs = [load(q_ref, t, s) * rq[t] for t in range(nt)]
+        ks = [load(k_ref, t, s) * rk[t] for t in range(nt)]
+        gls, base = [], None
+        for t in range(nt):
+            g = jnp.where(oks[t], gate_math(load(f_ref, t, s) + dt, ea, lower_bound), 0.0)
+            gl = jnp.cumsum(g * _LOG2E, axis=0)
+            gls.append(gl if base is None else base + gl)
+            base = jnp.sum(jnp.where(rid == rt - 1, gls[t], 0.0), axis=0, keepdims=True)
+
+        for c in range(nt):
+
+            def column(jj, accs, c=c):
+                pick = rid == jj  # key row by a masked sum over tile c's rows (exact)
+                k_j = jnp.sum(jnp.where(pick, ks[c], 0.0), axis=0, keepdims=True)
+                gl_j = jnp.sum(jnp.where(pick, gls[c], 0.0), axis=0, keepdims=True)
+                sel = col_ids == c * rt + jj
+                out = list(accs)
+                for t in range(c, nt):
+                    d = gls[t] - gl_j
+                    ke = k_j * jnp.exp2(jnp.where(rid >= jj, d, -jnp.inf) if t == c else d)
+                    a_col = jnp.sum(qs[t] * ke, axis=1, keepdims=True)
+                    l_col = jnp.sum(ks[t] * ke, axis=1, keepdims=True)
+                    out[t] = jnp.where(sel, out[t] + a_col, out[t])
+                    out[nt + t] = jnp.where(sel, out[nt + t] + l_col, out[nt + t])
+                return tuple(out)
+
+            accs = lax.fori_loop(0, rt, column, accs)
+        return accs
+
+    accs = over_slices(one_slice, 2 * nt * (jnp.zeros((rt, sub), f32),))
+    for t in range(nt):
+        a_ref[pl.ds(t * rt, rt), :] = accs[t]
+        l_ref[pl.ds(t * rt, rt), :] = accs[nt + t]
 
 
 def _chunk_prepare_kernel(

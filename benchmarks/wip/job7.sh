@@ -6,6 +6,8 @@
 #   bash benchmarks/wip/job7.sh tests    # the unbounded prepare stage: this tree against
 #                                        # diag_v3.patch (also at 2 warps) and diag_v1.patch; compiled
 #                                        # test_chunk.py with diag_v3, the decode test files here
+#   bash benchmarks/wip/job7.sh bench    # bench_decode --quick, compiled test_conv.py and
+#                                        # test_forward_pallas.py, bench_prefill --quick --core-only
 set -uo pipefail
 what=${1:?decode}
 source scripts/gpu_common.sh
@@ -32,5 +34,13 @@ elif [ "$what" = tests ]; then
     tests/test_forward_pallas.py
   grep -hE "^chunk_prepare|^ours|kda_chunk" "$OUT"/diag_*.log
   grep -hE "passed|failed|FAILED|ERROR" "$OUT"/tests_*.log | cut -c1-300
+elif [ "$what" = bench ]; then
+  T="python3 -m pytest -q -p no:cacheprovider -p no:warnings -rfE"
+  run "$base" bench_decode 150 python3 benchmarks/bench_decode.py --quick --out "$OUT/bench_decode.json"
+  run "$base" tests_decode2 130 $T tests/test_conv.py tests/test_forward_pallas.py
+  run "$base" bench_prefill_core 175 python3 benchmarks/bench_prefill.py --quick --core-only \
+    --out "$OUT/bench_prefill_core.json"
+  grep -hE "^decode|^prefill" "$OUT"/bench_*.log | cut -c1-220
+  grep -hE "passed|failed" "$OUT"/tests_*.log | cut -c1-300
 fi
 (cd "$OUT" && tar czf all.tgz ./*.log ./*.json 2>/dev/null)
