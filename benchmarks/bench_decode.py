@@ -230,10 +230,22 @@ def bench_core(cfg, batches, n, reps, records, meta, tiles=None):
         for name, block in variants:
             step = functools.partial(_pallas_core_step, acts, params, kw, cfg.l2_eps, block)
             run = functools.partial(common.time_loop, step, state + 0.0, n, reps, differential=True)
-            common.run_case(records, meta, "decode_core", shape, name, run, floor, fla, FLA_NAME)
+            common.run_case(
+                records, meta, "decode_core", shape, name, run, floor, fla, FLA_NAME, note=CORE_NOTE
+            )
         step = functools.partial(_xla_core_step, acts, params, kw, cfg.l2_eps)
         run = functools.partial(common.time_loop, step, state + 0.0, n, reps, differential=True)
-        common.run_case(records, meta, "decode_core", shape, "xla", run, floor, fla, FLA_NAME)
+        common.run_case(
+            records, meta, "decode_core", shape, "xla", run, floor, fla, FLA_NAME, note=CORE_NOTE
+        )
+
+
+# Carried by every decode_core record: what its two timings are, and where they part.
+CORE_NOTE = (
+    "wall clock: ours per step of a jitted loop (differential), FLA per call of a CUDA-graph "
+    "replay; below ~15 us the two methods differ by more than the kernels do: the "
+    "decode_core_device records (decode_profile.py, CUPTI) compare them by device time"
+)
 
 
 def _pallas_core_step(acts, params, kw, l2_eps, block, state):

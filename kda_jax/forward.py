@@ -142,6 +142,9 @@ def decode_k(
       y [B, k, D]; the state after the last row; snapshots, a KdaState whose leaves carry a row
       axis ([B, k, H, K, V] and [B, k, W-1, conv_dim]): the state after each row. A caller that
       accepts a of the k tokens resumes from `select_snapshot(snapshots, a - 1)`.
+    On the pallas backend the results equal k serial `decode` calls bit for bit when B * k <= 8
+    (`pallas_kernels.gemv.MAX_KERNEL_ROWS`: the projections' rows share one tiling); with more
+    rows the projections take the 9..64-row tiling and agree within rounding.
     """
     _check_x(x, cfg, 3, "decode_k")
     k = x.shape[1]

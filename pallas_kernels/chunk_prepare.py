@@ -14,9 +14,10 @@ products per chunk and nothing else:
 
 Structure (registers decide the speed here: the first version held the [C, K] chunk and whole
 [sub, sub] tile sets in registers, spilled, and ran 2-3x slower):
-  0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs): the
-     diagonal [sub, sub] blocks of A and L pairwise (see Decay safety); in the main kernel the
-     same loop cost 1.85 of 3.25 ms (H200, B=1, T=8192).
+  0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs of one
+     warp, two 8-row tiles): the diagonal [sub, sub] blocks of A and L pairwise (see Decay
+     safety); in the main kernel the same loop cost 1.85 of 3.25 ms (H200, B=1, T=8192), in
+     this kernel 431 us.
   1. G = chunk cumsum of the gate, per column slice of `block_k`, into a fp32 scratch output
      (private to the program until the w/u kernel reads it), with qg, kg and exp(G_last)
      written on the way.
@@ -42,8 +43,8 @@ exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), the mask applied before `exp`, b
 <= 1 for columns j < r. With a bounded gate far from overflow ((sub - 1) |lb| <= 80 nats, e.g.
 lb = -5) the block's own columns are taken the same way (the second factor stays below e^80).
 Otherwise (unbounded gate) the diagonal block is computed pairwise by `kda_chunk_diag`, one key
-column at a time, from block-local cumulative sums Gl: exp(Gl_i - Gl_j) with the mask before
-`exp`, exact at any decay strength.
+column at a time, from block-local cumulative sums Gl (in log2 units): exp2(Gl_i - Gl_j) with
+the mask before `exp2`, exact at any decay strength.
 T is built block by block: the diagonal [sub, sub] inverses as (I - L)(I + L^2)(I + L^4)(I + L^8)
 plus one Newton step (as accurate as an fp32 triangular solve, measured against float64), the
 off-diagonal blocks by T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ (full fp32 dots, no TF32).
@@ -111,8 +112,10 @@ class PrepareBlockSizes:
         at block_k 16: 2 -> 142 registers and 13 KB of shared memory for the pipelined loads, 3
         programs/SM; 1 -> 128 registers, 4 programs/SM).
       diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel (1:
-        its [rows, 64] tiles then need no cross-warp reductions; ptxas at sm_90a: 0 spills,
-        8 programs/SM; not yet timed against 2).
+        its [8, 64] tiles then need no cross-warp reductions; ptxas at sm_90a: 244 registers,
+        no spills. H200, 2026-12-01, B=1, T=8192, one job: the kernel 430.9 us against 617.6
+        for the one-tile kernel it replaced at 2 warps; the stage 1317.2 us at 1 warp, 1514.1
+        at 2).
       wu_block_k, wu_warps, wu_stages: block_k, num_warps and num_stages of the w/u kernel.
     The other defaults are the fastest of one H200 job (2026-12-01, B=1, T=8192, H=32, the
     stage alone, all else at the old defaults 16 x 4 x 1, diag_warps 4, wu 16 x 4 x 1):
