@@ -69,24 +69,19 @@ def _scan():
     return lambda i, s: chunk_scan(i, s, t=T, out_dtype=BF16), (inter, jnp.zeros((B, H, K, K)))
 
 
-def _decode(batch):
-    """The whole block's decode step (every decode kernel), Kimi-Linear preset, bf16 weights."""
+def _decode(batch, rows=None):
+    """The whole block's decode step (every decode kernel), Kimi-Linear preset, bf16 weights; with
+    `rows`, the verify step (decode_k) of that many rows instead."""
     cfg = preset("kimi-linear-48b")
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), BF16))
     state = KdaState(
         recurrent=jax.ShapeDtypeStruct(cfg.recurrent_state_shape(batch), jnp.float32),
         conv=jax.ShapeDtypeStruct(cfg.conv_state_shape(batch), jnp.float32),
     )
-    x = jax.ShapeDtypeStruct((batch, cfg.hidden), BF16)
-    return lambda p, x, s: forward.decode(p, cfg, x, s, backend="pallas"), (params, x, state)
-
-
-def _verify(rows):
-    """The whole block's verify step (decode_k, B = 1, `rows` rows), as `_decode`."""
-    fn, (params, x, state) = _decode(1)
-    del fn
-    cfg = preset("kimi-linear-48b")
-    x = jax.ShapeDtypeStruct((1, rows, cfg.hidden), BF16)
+    if rows is None:
+        x = jax.ShapeDtypeStruct((batch, cfg.hidden), BF16)
+        return lambda p, x, s: forward.decode(p, cfg, x, s, backend="pallas"), (params, x, state)
+    x = jax.ShapeDtypeStruct((batch, rows, cfg.hidden), BF16)
     return lambda p, x, s: forward.decode_k(p, cfg, x, s, backend="pallas"), (params, x, state)
 
 
@@ -96,7 +91,7 @@ CASES = {
     "scan": _scan,
     "decode-b1": lambda: _decode(1),
     "decode-b64": lambda: _decode(64),
-    "verify-k8": lambda: _verify(8),
+    "verify-k8": lambda: _decode(1, rows=8),
 }
 
 
