@@ -49,8 +49,9 @@ def _flat(a, n):
 
 
 @pytest.mark.parametrize("name", GATES)
-def test_pallas_decode_and_verify_stage_by_stage(name, rng):
-    b, k = 2, 3
+@pytest.mark.parametrize("b,k", [(2, 3), (4, 4)])
+def test_pallas_decode_and_verify_stage_by_stage(name, b, k, rng):
+    """6 projection rows (the M <= 8 GEMV) and 16 (the 9..64-row tiling)."""
     cfg, p, s0, key = _setup(name, rng, b)
     x = jax.random.normal(key, (b, k, cfg.hidden)).astype(DTYPE)
     y, s_last, snaps, st = K.decode_k(p, cfg, x, s0, backend="pallas", return_stages=True)
