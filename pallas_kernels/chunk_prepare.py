@@ -389,7 +389,8 @@ def _chunk_prepare_kernel(
         )
         diag = (cols_c // sub == blk) if pairwise else jnp.zeros((1, c), jnp.bool_)
         # A's columns past `width` are zeros (the diagonal block aside): stored apart, at
-        # addresses disjoint from the stores below.
+        # addresses disjoint from the stores below. `& (row_ids >= 0)` (always true) broadcasts
+        # a [1, n] column mask to the stored tile's [sub, n].
         plt.store(
             a_ref.at[rows, :],
             jnp.zeros((sub, c), a_ref.dtype),

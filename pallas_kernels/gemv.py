@@ -83,6 +83,16 @@ def _largest_pow2_divisor(n: int) -> int:
     return n & -n
 
 
+def _block_d(d: int, cap: int) -> int:
+    """D slice width: the largest power of two dividing d, up to `cap`; when d has no such
+    divisor >= 32, the next power of two above d (up to `cap`) and a masked last slice instead
+    of many thin steps; never below 16 (the tensor-core K)."""
+    block_d = min(cap, _largest_pow2_divisor(d))
+    if block_d < 32 and d > block_d:
+        block_d = min(cap, common.next_pow2(d))
+    return max(16, block_d)
+
+
 @dataclasses.dataclass(frozen=True)
 class GemvBlockSizes:
     """Static tiling of one weight sweep.
@@ -128,10 +138,7 @@ class GemvBlockSizes:
         if m > MAX_KERNEL_ROWS:
             return cls._many_rows(n, d)
         cap = 256 if jnp.dtype(dtype).itemsize <= 2 else 128
-        block_d = min(cap, _largest_pow2_divisor(d))
-        if block_d < 32 and d > block_d:
-            block_d = min(cap, common.next_pow2(d))
-        block_d = max(16, block_d)
+        block_d = _block_d(d, cap)
         block_n = 16
         for cand in (64, 32):
             if common.cdiv(n, cand) >= _TARGET_PROGRAMS:
@@ -158,9 +165,7 @@ class GemvBlockSizes:
         (o_proj: 72 row tiles x 4). H200 sweep at M = 64, 2026-12-01 (benchmarks/results):
         w_in 20.6 us (XLA's dot 19.7, plus ~4 us of slices of its output in the decode step),
         o_proj 10.8 (split 2: 12.6, split 1: 17.7; XLA's dot 11.9)."""
-        block_d = max(16, min(128, _largest_pow2_divisor(d)))
-        if block_d < 32 and d > block_d:
-            block_d = min(128, common.next_pow2(d))
+        block_d = _block_d(d, 128)
         if common.cdiv(n, 64) >= _TARGET_PROGRAMS // 2:
             return cls(block_n=64, block_d=block_d, num_stages=3)
         split_d, steps = 1, common.cdiv(d, block_d)
@@ -294,7 +299,7 @@ def _sweep(xs, ws, *, out_dtype, block_sizes: GemvBlockSizes, bounds) -> list[li
         raise ValueError(f"block_n={bs.block_n} must divide every split bound {bounds[1:-1]}")
     steps //= bs.split_d
     groups, segments = len(ws), len(bounds) - 1
-    rows = _ROWS if m <= MAX_KERNEL_ROWS else max(_ROWS, common.next_pow2(m))
+    rows = max(_ROWS, common.next_pow2(m))  # 16 for every M <= 8
     kernel = functools.partial(
         _gemv_kernel, groups=groups, m=m, rows=rows, n=n, d=d, bs=bs, steps=steps, bounds=bounds
     )
