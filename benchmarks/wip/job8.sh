@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Session 8's GPU jobs (repo root on the device machine; results in $OUT, packed into all.tgz).
+#   bash benchmarks/wip/job8.sh profile  # decode profiles of this tree (decode:1, decode_k:8,
+#                                        # decode:64) and of uniform_rows.patch; compiled
+#                                        # test_forward_pallas.py here, test_gemv.py and
+#                                        # test_forward_pallas.py in the patched tree
+set -uo pipefail
+what=${1:?profile}
+source scripts/gpu_common.sh
+prof="python3 benchmarks/decode_profile.py"
+T="python3 -m pytest -q -p no:cacheprovider -p no:warnings -rfE"
+if [ "$what" = profile ]; then
+  run "$base" prof_base 110 $prof --cases decode:1,decode_k:8,decode:64 --out "$OUT/prof_base.json"
+  u=$(tree uniform_rows) && run "$u" prof_uniform 90 $prof --cases decode_k:8,decode:64 \
+    --out "$OUT/prof_uniform.json"
+  run "$base" tests_fwd 110 $T tests/test_forward_pallas.py
+  run "$u" tests_uniform 200 $T tests/test_gemv.py tests/test_forward_pallas.py
+  grep -hE '^\{|^ +1.00 x' "$OUT"/prof_*.log | cut -c1-200
+  grep -hE "passed|failed|FAILED|ERROR" "$OUT"/tests_*.log | cut -c1-300
+fi
+(cd "$OUT" && tar czf all.tgz ./*.log ./*.json 2>/dev/null)
