@@ -290,7 +290,7 @@ def bench_conv(cfg, params, batches, n, reps, records, meta):
         for backend, fn in [*variants, ("xla", ref.conv_decode_reference)]:
 
             def step(state, fn=fn, qkv=qkv):
-                return fn(qkv, state, params.conv_w, **kw)[1][:, -1]
+                return fn(qkv, state, params.conv_w, **kw)[1]
 
             run = functools.partial(common.time_loop, step, conv0 + 0.0, n, reps, differential=True)
             shape = f"B={b},R=1,C={cfg.conv_dim}"

@@ -59,7 +59,7 @@ def _rows(params, cfg, x, state, backend, snapshots, return_stages):
     b_, r, _ = x.shape
     state.check(cfg, b_)
     qkv, f, b, z = _front(st, params, cfg, x)
-    qkv_out, conv_states = st.conv_decode(
+    qkv_out, conv_state, conv_snaps = st.conv_decode(
         qkv,
         state.conv,
         params.conv_w,
@@ -67,6 +67,7 @@ def _rows(params, cfg, x, state, backend, snapshots, return_stages):
         head_dim=cfg.head_dim,
         l2_eps=cfg.l2_eps,
         splits=(cfg.qkv_dim,) * 3,  # q, k, v written apart by the kernel: no slice copies
+        snapshots=snapshots,
     )
     q, k, v = (_heads(cfg, a) for a in qkv_out)
     y, rec, rec_snaps = st.decode_core(
@@ -87,8 +88,8 @@ def _rows(params, cfg, x, state, backend, snapshots, return_stages):
         out_dtype=params.dtype,
     )
     out = st.proj(y.reshape(b_ * r, cfg.qkv_dim), params.o_proj).reshape(b_, r, cfg.hidden)
-    new_state = KdaState(recurrent=rec, conv=conv_states[:, -1])
-    snaps = KdaState(recurrent=rec_snaps, conv=conv_states) if snapshots else None
+    new_state = KdaState(recurrent=rec, conv=conv_state)
+    snaps = KdaState(recurrent=rec_snaps, conv=conv_snaps) if snapshots else None
     stages = None
     if return_stages:
         stages = dict(qkv_proj=qkv, q=q, k=k, v=v, g_raw=f, out_gate=z, o_norm_out=y, final_out=out)

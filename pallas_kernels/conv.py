@@ -12,9 +12,10 @@ so R rows of one `conv_decode` call give the bits of R serial 1-row calls.
 
 conv_decode and conv_prefill can hand their output back as separate channel ranges (`splits`:
 q, k, v, each written by the programs whose tiles fall in it, so the block never copies slices
-of it), and a one-row conv_decode call writes the new conv state over the old one
-(`input_output_aliases`: each program reads its tile of the state, passes a barrier, then
-writes the same tile), which spares a decode loop the copy of its carried state.
+of it), and conv_decode writes the new conv state over the old one (`input_output_aliases`:
+each program reads its tile of the state, passes a barrier, then writes the same tile), which
+spares a decode loop the copy of its carried state; the per-row states a verify keeps are a
+separate output (`snapshots`), so the new state is never a slice copied out of them.
 
 Conv state layout (`KdaState.conv`): [B, W-1, C] fp32, oldest first (`[:, -1]` = previous row).
 """
@@ -91,15 +92,19 @@ def _qk_mask(block_heads: int, qk_groups: int):
     return group < qk_groups
 
 
-def _conv_decode_kernel(x_ref, state_ref, *refs, rows, width, qk_groups, l2_eps, tiles, in_place):
+def _conv_decode_kernel(
+    x_ref, state_ref, *refs, rows, width, qk_groups, l2_eps, tiles, snapshots
+):
     """x_ref: [R, HB, K]; state_ref: [W-1, HB, K]; refs: W tap refs [HB, K], then one out ref
-    [R, HB, K] per output segment, then states_ref [R, W-1, HB, K]. `tiles`: the first channel
-    tile of each segment and the end (this program's segment is where its tile falls; the other
-    segments' refs point at a clamped tile and are not written). in_place: states_ref is
-    state_ref's memory (one row): a barrier orders every thread's loads of the old state before
-    any thread's stores of the new one (a store's thread need not be the one that loaded that
-    element)."""
-    tap_refs, out_refs, states_ref = refs[:width], refs[width:-1], refs[-1]
+    [R, HB, K] per output segment, new_state_ref [W-1, HB, K] (state_ref's memory), and with
+    `snapshots` states_ref [R, W-1, HB, K]. `tiles`: the first channel tile of each segment and
+    the end (this program's segment is where its tile falls; the other segments' refs point at
+    a clamped tile and are not written). A barrier orders every thread's loads of the old state
+    before any thread's stores of the new one (a store's thread need not be the one that loaded
+    that element)."""
+    states_ref = refs[-1] if snapshots else None
+    refs = refs[:-1] if snapshots else refs
+    tap_refs, out_refs, new_state_ref = refs[:width], refs[width:-1], refs[-1]
     taps = [r[...].astype(f32) for r in tap_refs]
     j = pl.program_id(1)  # read here: interpret mode cannot see program_id inside pl.when
     qk_mask = _qk_mask(x_ref.shape[1], qk_groups)
@@ -111,10 +116,12 @@ def _conv_decode_kernel(x_ref, state_ref, *refs, rows, width, qk_groups, l2_eps,
         y = _conv_row(window, x_row, taps, qk_mask, l2_eps)
         _store_segment(out_refs, tiles, j, r, y)
         window = window[1:] + [x_row]
-        if in_place:
-            common.barrier()
-        for i in range(width - 1):
-            states_ref[r, i] = window[i]
+        if snapshots:
+            for i in range(width - 1):
+                states_ref[r, i] = window[i]
+    common.barrier()
+    for i in range(width - 1):
+        new_state_ref[i] = window[i]
 
 
 def _store_segment(out_refs, tiles, j, row, y):
@@ -184,6 +191,7 @@ def conv_decode(
     head_dim: int,
     l2_eps: float,
     splits: tuple[int, ...] | None = None,
+    snapshots: bool = False,
     block_sizes: ConvBlockSizes | None = None,
 ):
     """Conv step for R new rows per sequence; the kernel of `reference.conv_decode_reference`.
@@ -198,12 +206,15 @@ def conv_decode(
       splits: channel widths summing to C (e.g. q, k, v): `out` comes back as that many arrays,
         each written by the kernel (no slice copies); each must be a multiple of the kernel's
         channel tile (whole heads: the block's P = H * K always is).
+      snapshots: also return the conv state after every row.
       block_sizes: tiling (default `ConvBlockSizes.default_for(1, C/K, K)`); it must not
         depend on R when R-row calls must equal serial calls.
     Returns:
       out: [B, R, C] fp32, SiLU(conv) with q and k L2-normalised per head; with `splits`, a
         tuple of [B, R, c_s].
-      states: [B, R, W-1, C] fp32, the conv state after each row (states[:, -1] is the new one).
+      new_state: [B, W-1, C] fp32, the conv state after the last row, written over conv_state's
+        memory when the caller donates it.
+      states: [B, R, W-1, C] fp32, the conv state after each row, or None without `snapshots`.
     """
     _check(x, conv_state, w, qk_channels, head_dim, "conv_decode")
     b, r, c = x.shape
@@ -214,7 +225,6 @@ def conv_decode(
     if groups % hb:
         raise ValueError(f"conv_decode: block_heads={hb} must divide the {groups} head groups")
     widths, tiles = _segments(splits, c, hb * k, "conv_decode")
-    one_row = r == 1  # then the new state is written over the old one (below)
     kernel = functools.partial(
         _conv_decode_kernel,
         rows=r,
@@ -222,23 +232,19 @@ def conv_decode(
         qk_groups=qk_channels // k,
         l2_eps=l2_eps,
         tiles=tiles,
-        in_place=one_row,
+        snapshots=snapshots,
     )
-
-    # One row: the new state has the shape of the old one, so it is written in place (each
-    # program reads its tile of the state, then a barrier, then writes the same tile), which
-    # spares the caller's loop a copy of the state.
-    state_in = conv_state.astype(f32).reshape(b, *((1,) if one_row else ()), width - 1, groups, k)
-    state_spec = (
-        pl.BlockSpec((None, None, width - 1, hb, k), lambda i, j: (i, 0, 0, j, 0))
-        if one_row
-        else pl.BlockSpec((None, width - 1, hb, k), lambda i, j: (i, 0, j, 0))
-    )
-    *outs, states = pl.pallas_call(
+    state_spec = pl.BlockSpec((None, width - 1, hb, k), lambda i, j: (i, 0, j, 0))
+    snap_shapes, snap_specs = [], []
+    if snapshots:
+        snap_shapes = [jax.ShapeDtypeStruct((b, r, width - 1, groups, k), f32)]
+        snap_specs = [pl.BlockSpec((None, r, width - 1, hb, k), lambda i, j: (i, 0, 0, j, 0))]
+    res = pl.pallas_call(
         kernel,
         out_shape=(
             *(jax.ShapeDtypeStruct((b, r, v // k, k), f32) for v in widths),
-            jax.ShapeDtypeStruct((b, r, width - 1, groups, k), f32),
+            jax.ShapeDtypeStruct((b, width - 1, groups, k), f32),
+            *snap_shapes,
         ),
         grid=(b, groups // hb),
         in_specs=[
@@ -251,15 +257,23 @@ def conv_decode(
                 _segment_spec((None, r, hb, k), tiles, s, lambda ids, g: (ids[0], 0, g, 0))
                 for s in range(len(widths))
             ),
-            pl.BlockSpec((None, r, width - 1, hb, k), lambda i, j: (i, 0, 0, j, 0)),
+            state_spec,
+            *snap_specs,
         ),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),
-        input_output_aliases={1: len(widths)} if one_row else {},
+        input_output_aliases={1: len(widths)},
         name="kda_conv_decode",
         interpret=common.interpret(),
-    )(x.reshape(b, r, groups, k), state_in, *([w.reshape(groups, k, width)] * width))
-    outs = tuple(o.reshape(b, r, o.shape[2] * k) for o in outs)
-    return (outs[0] if splits is None else outs), states.reshape(b, r, width - 1, c)
+    )(
+        x.reshape(b, r, groups, k),
+        conv_state.astype(f32).reshape(b, width - 1, groups, k),
+        *([w.reshape(groups, k, width)] * width),
+    )
+    n_out = len(widths)
+    outs = tuple(o.reshape(b, r, o.shape[2] * k) for o in res[:n_out])
+    new_state = res[n_out].reshape(b, width - 1, c)
+    states = res[n_out + 1].reshape(b, r, width - 1, c) if snapshots else None
+    return (outs[0] if splits is None else outs), new_state, states
 
 
 def _conv_prefill_kernel(

@@ -94,6 +94,7 @@ def conv_decode_reference(
     head_dim: int,
     l2_eps: float,
     splits: tuple[int, ...] | None = None,
+    snapshots: bool = False,
 ):
     """Conv step for R new rows per sequence, from the carried conv state.
 
@@ -102,10 +103,12 @@ def conv_decode_reference(
       conv_state: [B, W-1, C] fp32, the last W-1 raw inputs, oldest first.
       w: [C, W] fp32 taps; w[:, W-1] multiplies the current row.
       splits: channel widths summing to C: return `out` as that many arrays (e.g. q, k, v).
+      snapshots: also return the conv state after every row.
     Returns:
       out: [B, R, C] fp32, SiLU(conv) with q and k L2-normalised per head; with `splits`, a
         tuple of [B, R, c_s].
-      states: [B, R, W-1, C] fp32, the conv state after each row (states[:, -1] is the new one).
+      new_state: [B, W-1, C] fp32, the conv state after the last row.
+      states: [B, R, W-1, C] fp32, the conv state after each row, or None without `snapshots`.
     """
     wdt = w.shape[1]
     seq = jnp.concatenate([conv_state.astype(f32), x.astype(f32)], axis=1)  # [B, W-1+R, C]
@@ -114,7 +117,8 @@ def conv_decode_reference(
     windows = seq[:, idx]  # [B, R, W, C]
     out = _l2_qk(_conv_silu(windows, w), qk_channels=qk_channels, head_dim=head_dim, l2_eps=l2_eps)
     states = windows[:, :, 1:]
-    return (out if splits is None else split_last(out, splits)), states
+    out = out if splits is None else split_last(out, splits)
+    return out, states[:, -1], (states if snapshots else None)
 
 
 def conv_prefill_reference(

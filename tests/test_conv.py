@@ -31,12 +31,19 @@ def test_conv_decode_matches_reference(rng, rows, dtype):
     x = normal(kx, (B, rows, C), dtype)
     state = normal(ks, (B, W - 1, C))
     w = _taps(kw)
-    out, states = conv_decode(x, state, w, **KW)
-    out_ref, states_ref = conv_decode_reference(x, state, w, **KW)
+    out, new_state, states = conv_decode(x, state, w, **KW, snapshots=True)
+    out_ref, new_ref, states_ref = conv_decode_reference(x, state, w, **KW, snapshots=True)
     assert out.shape == (B, rows, C) and out.dtype == jnp.float32
     assert states.shape == (B, rows, W - 1, C) and states.dtype == jnp.float32
+    assert new_state.shape == (B, W - 1, C) and new_state.dtype == jnp.float32
     assert_close(out, out_ref, FP32_TOL, "conv_decode out")
     np.testing.assert_array_equal(states, states_ref)  # the state is a copy of raw inputs
+    np.testing.assert_array_equal(new_state, new_ref)
+    np.testing.assert_array_equal(new_state, states[:, -1])
+    out1, new1, none = conv_decode(x, state, w, **KW)  # no snapshots: the same out and state
+    assert none is None
+    np.testing.assert_array_equal(out1, out)
+    np.testing.assert_array_equal(new1, new_state)
     # q and k heads are unit vectors, v is not normalised.
     norms = jnp.linalg.norm(out.reshape(B, rows, 3 * H, K), axis=-1)
     np.testing.assert_allclose(norms[..., : 2 * H], 1.0, rtol=1e-4)
@@ -48,13 +55,12 @@ def test_conv_decode_rows_equal_serial_bits(rng):
     x = normal(kx, (B, 3, C), jnp.bfloat16)
     state = normal(ks, (B, W - 1, C))
     w = _taps(kw)
-    out, states = jax.jit(lambda *a: conv_decode(*a, **KW))(x, state, w)
+    out, _, states = jax.jit(lambda *a: conv_decode(*a, **KW, snapshots=True))(x, state, w)
     step = jax.jit(lambda *a: conv_decode(*a, **KW))
     for r in range(3):
-        out_r, states_r = step(x[:, r : r + 1], state, w)
+        out_r, state, _ = step(x[:, r : r + 1], state, w)
         np.testing.assert_array_equal(out[:, r], out_r[:, 0])
-        np.testing.assert_array_equal(states[:, r], states_r[:, 0])
-        state = states_r[:, 0]
+        np.testing.assert_array_equal(states[:, r], state)
 
 
 @pytest.mark.parametrize("batch,rows", [(1, 1), (B, 3)])
@@ -66,15 +72,16 @@ def test_conv_decode_splits_equal_unsplit_bits(rng, batch, rows):
     state = normal(ks, (batch, W - 1, C))
     w = _taps(kw)
     p = H * K
-    fn = jax.jit(lambda *a: conv_decode(*a, **KW, splits=(p, p, p)))
-    (q, k, v), states = fn(x, state, w)
-    whole, states1 = conv_decode(x, state, w, **KW)
-    parts_ref, _ = conv_decode_reference(x, state, w, **KW, splits=(p, p, p))
+    fn = jax.jit(lambda *a: conv_decode(*a, **KW, splits=(p, p, p), snapshots=True))
+    (q, k, v), new_state, states = fn(x, state, w)
+    whole, new1, states1 = conv_decode(x, state, w, **KW, snapshots=True)
+    parts_ref, _, _ = conv_decode_reference(x, state, w, **KW, splits=(p, p, p))
     for i, (a, a_ref) in enumerate(zip((q, k, v), parts_ref, strict=True)):
         assert a.shape == (batch, rows, p), a.shape
         np.testing.assert_array_equal(a, whole[..., i * p : (i + 1) * p])
         assert_close(a, a_ref, FP32_TOL, f"conv_decode split {i}")
     np.testing.assert_array_equal(states, states1)
+    np.testing.assert_array_equal(new_state, new1)
     with pytest.raises(ValueError, match="summing to C"):
         conv_decode(x, state, w, **KW, splits=(p, p))
     with pytest.raises(ValueError, match="multiples of the"):  # a part ends inside a tile
@@ -97,10 +104,11 @@ def test_conv_decode_accepts_a_bf16_state(rng):
     x = normal(kx, (B, 1, C), jnp.bfloat16)
     state = normal(ks, (B, W - 1, C), jnp.bfloat16)
     w = _taps(kw)
-    out, states = conv_decode(x, state, w, **KW)
-    out_ref, states_ref = conv_decode_reference(x, state, w, **KW)
+    out, new_state, _ = conv_decode(x, state, w, **KW)
+    out_ref, new_ref, _ = conv_decode_reference(x, state, w, **KW)
     assert_close(out, out_ref, FP32_TOL, "conv_decode out, bf16 state")
-    np.testing.assert_array_equal(states, states_ref)
+    assert new_state.dtype == jnp.float32
+    np.testing.assert_array_equal(new_state, new_ref)
 
 
 @pytest.mark.parametrize("pad_value", [np.nan, 1e30])
@@ -157,10 +165,10 @@ def test_conv_prefill_then_decode_equals_longer_prefill(rng):
     w = _taps(kw)
     full, full_state = conv_prefill(x, state, w, jnp.full((B,), t, jnp.int32), **KW)
     part, part_state = conv_prefill(x[:, :-1], state, w, jnp.full((B,), t - 1, jnp.int32), **KW)
-    last, states = conv_decode(x[:, -1:], part_state, w, **KW)
+    last, new_state, _ = conv_decode(x[:, -1:], part_state, w, **KW)
     assert_close(part, full[:, :-1], FP32_TOL, "prefix")
     assert_close(last[:, 0], full[:, -1], FP32_TOL, "decoded row")
-    np.testing.assert_array_equal(states[:, -1], full_state)
+    np.testing.assert_array_equal(new_state, full_state)
 
 
 def test_conv_prefill_out_dtype(rng):
@@ -183,10 +191,11 @@ def test_conv_tiles_of_several_heads(rng):
     x = normal(kx, (2, 6, c), jnp.bfloat16)
     state = normal(ks, (2, W - 1, c))
     w = normal(kw_, (c, W), scale=0.5).at[:, -1].add(1.0)
-    out, states = conv_decode(x[:, :2], state, w, **kw)
-    out_ref, states_ref = conv_decode_reference(x[:, :2], state, w, **kw)
+    out, new_state, states = conv_decode(x[:, :2], state, w, **kw, snapshots=True)
+    out_ref, new_ref, states_ref = conv_decode_reference(x[:, :2], state, w, **kw, snapshots=True)
     assert_close(out, out_ref, FP32_TOL, "conv_decode out")
     np.testing.assert_array_equal(states, states_ref)
+    np.testing.assert_array_equal(new_state, new_ref)
     lengths = jnp.array([6, 4], jnp.int32)
     x = jnp.where(jnp.arange(6)[None, :, None] >= lengths[:, None, None], jnp.nan, x)
     out, new_state = conv_prefill(x, state, w, lengths, **kw)
@@ -214,7 +223,8 @@ KIMI = dict(qk_channels=2 * 4096, head_dim=128, l2_eps=L2_EPS)
 def test_conv_decode_lowers_for_h200(rows, splits):
     x = jnp.ones((2, rows, 12288), jnp.bfloat16)
     state, w = jnp.ones((2, 3, 12288)), jnp.ones((12288, 4))
-    text = lower_for_h200(lambda *a: conv_decode(*a, **KIMI, splits=splits), x, state, w)
+    fn = lambda *a: conv_decode(*a, **KIMI, splits=splits, snapshots=rows > 1)  # noqa: E731
+    text = lower_for_h200(fn, x, state, w)
     assert text.count("kda_conv_decode") >= 1 and text.count("xla.gpu.triton") == 1
 
 
