@@ -4,6 +4,12 @@
 #                                        # decode:64) and of uniform_rows.patch; compiled
 #                                        # test_forward_pallas.py here, test_gemv.py and
 #                                        # test_forward_pallas.py in the patched tree
+#   bash benchmarks/wip/job8.sh decode2  # decode profiles: this tree (o_norm's one-row programs,
+#                                        # conv_decode's new state apart from its snapshots)
+#                                        # against base_ef82cd0.patch (the tree before them),
+#                                        # rec_w2 / rec_w1 (recurrent [128, 32] tile at 2 / 1
+#                                        # warps); compiled test_conv, test_o_norm,
+#                                        # test_forward_pallas here
 set -uo pipefail
 what=${1:?profile}
 source scripts/gpu_common.sh
@@ -16,6 +22,16 @@ if [ "$what" = profile ]; then
   run "$base" tests_fwd 110 $T tests/test_forward_pallas.py
   run "$u" tests_uniform 200 $T tests/test_gemv.py tests/test_forward_pallas.py
   grep -hE '^\{|^ +1.00 x' "$OUT"/prof_*.log | cut -c1-200
+  grep -hE "passed|failed|FAILED|ERROR" "$OUT"/tests_*.log | cut -c1-300
+fi
+if [ "$what" = decode2 ]; then
+  cases=decode:1,decode_k:8,decode:64
+  run "$base" prof_new 100 $prof --cases $cases --out "$OUT/prof_new.json"
+  d=$(tree base_ef82cd0) && run "$d" prof_old 100 $prof --cases $cases --out "$OUT/prof_old.json"
+  d=$(tree rec_w2) && run "$d" prof_rec_w2 70 $prof --cases decode:1,decode_k:8 --out "$OUT/prof_rec_w2.json"
+  d=$(tree rec_w1) && run "$d" prof_rec_w1 70 $prof --cases decode:1,decode_k:8 --out "$OUT/prof_rec_w1.json"
+  run "$base" tests_decode 190 $T tests/test_conv.py tests/test_o_norm.py tests/test_forward_pallas.py
+  grep -hE '^\{|^ +1.00 x' "$OUT"/prof_*.log | cut -c1-140
   grep -hE "passed|failed|FAILED|ERROR" "$OUT"/tests_*.log | cut -c1-300
 fi
 (cd "$OUT" && tar czf all.tgz ./*.log ./*.json 2>/dev/null)
