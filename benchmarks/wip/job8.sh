@@ -10,6 +10,7 @@
 #                                        # rec_w2 / rec_w1 (recurrent [128, 32] tile at 2 / 1
 #                                        # warps); compiled test_conv, test_o_norm,
 #                                        # test_forward_pallas here
+#   bash benchmarks/wip/job8.sh bench    # bench_decode --quick; bench_prefill --quick --core-only
 set -uo pipefail
 what=${1:?profile}
 source scripts/gpu_common.sh
@@ -33,5 +34,11 @@ if [ "$what" = decode2 ]; then
   run "$base" tests_decode 190 $T tests/test_conv.py tests/test_o_norm.py tests/test_forward_pallas.py
   grep -hE '^\{|^ +1.00 x' "$OUT"/prof_*.log | cut -c1-140
   grep -hE "passed|failed|FAILED|ERROR" "$OUT"/tests_*.log | cut -c1-300
+fi
+if [ "$what" = bench ]; then
+  run "$base" bench_decode 150 python3 benchmarks/bench_decode.py --quick --out "$OUT/bench_decode.json"
+  run "$base" bench_prefill_core 340 python3 benchmarks/bench_prefill.py --quick --core-only \
+    --out "$OUT/bench_prefill_core.json"
+  grep -hE "^decode|^prefill|^conv" "$OUT"/bench_*.log | cut -c1-200
 fi
 (cd "$OUT" && tar czf all.tgz ./*.log ./*.json 2>/dev/null)
