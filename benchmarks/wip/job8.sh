@@ -11,6 +11,8 @@
 #                                        # warps); compiled test_conv, test_o_norm,
 #                                        # test_forward_pallas here
 #   bash benchmarks/wip/job8.sh bench    # bench_decode --quick; bench_prefill --quick --core-only
+#   bash benchmarks/wip/job8.sh last     # bench_decode --quick again (the spread between jobs);
+#                                        # gemv_vec.patch's sweep; bench_prefill --block-only
 set -uo pipefail
 what=${1:?profile}
 source scripts/gpu_common.sh
@@ -40,5 +42,13 @@ if [ "$what" = bench ]; then
   run "$base" bench_prefill_core 340 python3 benchmarks/bench_prefill.py --quick --core-only \
     --out "$OUT/bench_prefill_core.json"
   grep -hE "^decode|^prefill|^conv" "$OUT"/bench_*.log | cut -c1-200
+fi
+if [ "$what" = last ]; then
+  run "$base" bench_decode2 150 python3 benchmarks/bench_decode.py --quick --out "$OUT/bench_decode2.json"
+  d=$(tree gemv_vec) && run "$d" vec_sweep 110 python3 benchmarks/wip_vec_sweep.py "$OUT/vec_sweep.json"
+  run "$base" bench_prefill_block 200 python3 benchmarks/bench_prefill.py --quick --block-only \
+    --out "$OUT/bench_prefill_block.json"
+  grep -hE "^decode |^decode_k|^prefill" "$OUT"/bench_*.log | cut -c1-200
+  cat "$OUT/vec_sweep.log" | grep -v Warn | cut -c1-160
 fi
 (cd "$OUT" && tar czf all.tgz ./*.log ./*.json 2>/dev/null)
