@@ -92,9 +92,7 @@ def _qk_mask(block_heads: int, qk_groups: int):
     return group < qk_groups
 
 
-def _conv_decode_kernel(
-    x_ref, state_ref, *refs, rows, width, qk_groups, l2_eps, tiles, snapshots
-):
+def _conv_decode_kernel(x_ref, state_ref, *refs, rows, width, qk_groups, l2_eps, tiles, snapshots):
     """x_ref: [R, HB, K]; state_ref: [W-1, HB, K]; refs: W tap refs [HB, K], then one out ref
     [R, HB, K] per output segment, new_state_ref [W-1, HB, K] (state_ref's memory), and with
     `snapshots` states_ref [R, W-1, HB, K]. `tiles`: the first channel tile of each segment and
