@@ -9,7 +9,10 @@ import os
 import jax
 from jax.experimental.pallas import triton as plt
 
-__all__ = ["interpret", "barrier", "bounds", "next_pow2", "cdiv"]
+__all__ = ["TARGET_PROGRAMS", "interpret", "barrier", "bounds", "next_pow2", "cdiv"]
+
+# Two programs per SM of the H200 (132 SMs): the fill that the decode kernels' tilings aim for.
+TARGET_PROGRAMS = 2 * 132
 
 
 def interpret() -> bool:

@@ -74,8 +74,6 @@ MAX_KERNEL_ROWS = 8
 # Most rows the kernel serves (a tiling of its own above MAX_KERNEL_ROWS); above it `proj` hands
 # the product to XLA's dot (cuBLAS / a Triton GEMM fusion).
 MAX_TILE_ROWS = 64
-# Enough programs to give each of the H200's 132 SMs at least two row tiles.
-_TARGET_PROGRAMS = 2 * 132
 _WEIGHT_DTYPES = (jnp.bfloat16, jnp.float32)
 
 
@@ -141,17 +139,17 @@ class GemvBlockSizes:
         block_d = _block_d(d, cap)
         block_n = 16
         for cand in (64, 32):
-            if common.cdiv(n, cand) >= _TARGET_PROGRAMS:
+            if common.cdiv(n, cand) >= common.TARGET_PROGRAMS:
                 block_n = cand
                 break
         split_d, num_stages = 1, 4
-        if common.cdiv(n, block_n) < _TARGET_PROGRAMS and d >= 8 * cap:
+        if common.cdiv(n, block_n) < common.TARGET_PROGRAMS and d >= 8 * cap:
             # Few row tiles and long rows (o_proj): 32 x 128 tiles with D split until there are
             # >= 4 programs per SM. The H200 sweep of 2026-11-30 (benchmarks/results) put
             # o_proj at 8.1 us this way against 13.5 us unsplit.
             block_n, block_d, num_stages = 32, min(block_d, 128), 3
             while (
-                common.cdiv(n, block_n) * split_d < 2 * _TARGET_PROGRAMS
+                common.cdiv(n, block_n) * split_d < 2 * common.TARGET_PROGRAMS
                 and d % (2 * split_d * block_d) == 0
             ):
                 split_d *= 2
@@ -166,10 +164,10 @@ class GemvBlockSizes:
         w_in 20.6 us (XLA's dot 19.7, plus ~4 us of slices of its output in the decode step),
         o_proj 10.8 (split 2: 12.6, split 1: 17.7; XLA's dot 11.9)."""
         block_d = _block_d(d, 128)
-        if common.cdiv(n, 64) >= _TARGET_PROGRAMS // 2:
+        if common.cdiv(n, 64) >= common.TARGET_PROGRAMS // 2:
             return cls(block_n=64, block_d=block_d, num_stages=3)
         split_d, steps = 1, common.cdiv(d, block_d)
-        while common.cdiv(n, 32) * split_d < _TARGET_PROGRAMS and steps % (2 * split_d) == 0:
+        while common.cdiv(n, 32) * split_d < common.TARGET_PROGRAMS and steps % (2 * split_d) == 0:
             split_d *= 2
         return cls(block_n=32, block_d=block_d, num_stages=3, split_d=split_d)
 

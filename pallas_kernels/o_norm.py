@@ -22,8 +22,6 @@ from pallas_kernels import common
 __all__ = ["ONormBlockSizes", "o_norm"]
 
 f32 = jnp.float32
-# Two programs per SM of the H200 (132 SMs).
-_TARGET_PROGRAMS = 2 * 132
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +44,7 @@ class ONormBlockSizes:
         16 KB), and B = 64's 2048 rows are 256 programs. Warps follow the tile: 1024 values
         per warp, 1 to 4."""
         block_rows = min(max(1, 8192 // v), n_rows & -n_rows)
-        while block_rows > 1 and n_rows // block_rows < _TARGET_PROGRAMS:
+        while block_rows > 1 and n_rows // block_rows < common.TARGET_PROGRAMS:
             block_rows //= 2
         return ONormBlockSizes(block_rows, num_warps=max(1, min(4, block_rows * v // 1024)))
 

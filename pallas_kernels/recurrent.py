@@ -122,8 +122,8 @@ def _recurrent_kernel(*refs, rows: int, scale: float, fu: _Fusions):
 
     # Every row's inputs are loaded before the first row's stores: a load after a store waits
     # for it (the compiler cannot tell the refs apart), which made R rows R memory round trips
-    # (H200, 2026-12-01, B = 1, before this order: 11.3 us at R = 8 against 2.9 at R = 1; the
-    # order itself is not yet timed alone, benchmarks/NOTES.md).
+    # (H200, 2026-12-01, B = 1: 11.3 us at R = 8 against 2.9 at R = 1 before this order, 8.7
+    # after it, in two jobs; benchmarks/NOTES.md, sessions 6 and 8).
     if fu.gate:
         gates = [(f_ref[r], b_ref[pl.ds(r, 1)]) for r in range(rows)]
     else:

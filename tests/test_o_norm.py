@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import ON_GPU, TOL, assert_close, lower_for_h200, normal
 
-from pallas_kernels.o_norm import o_norm
+from pallas_kernels.o_norm import ONormBlockSizes, o_norm
 from pallas_kernels.reference import o_norm_reference
 
 EPS = 1e-5
@@ -35,6 +35,30 @@ def test_o_norm_matches_reference(rng, in_dtype, out_dtype):
     assert_close(got, ref, tol, "o_norm")
 
 
+def test_o_norm_multi_row_programs_match_reference(rng):
+    """Enough rows for programs of several rows (the default above two programs per SM; the
+    shapes above give one-row programs on the CPU): 2 x 133 tokens of 2 heads, 532 rows."""
+    lead, h, v = (2, 133), 2, 32
+    assert ONormBlockSizes.default_for(2 * 133 * h, v).block_rows > 1
+    ko, kz, kw = jax.random.split(rng, 3)
+    o = normal(ko, (*lead, h, v), scale=0.3)
+    z = normal(kz, (*lead, h * v), jnp.bfloat16, scale=2.0)
+    w = 1.0 + 0.1 * normal(kw, (v,))
+    got = o_norm(o, z, w, eps=EPS, out_dtype=jnp.float32)
+    assert_close(got, o_norm_reference(o, z, w, eps=EPS, out_dtype=jnp.float32), FP32_TOL, "o_norm")
+
+
+def test_o_norm_default_tiling():
+    """One-row programs while rows are few (decode: 32 heads at B=1, 256 at k=8); 64 rows of
+    128 values per program for a prefill's many rows; at least two programs per SM otherwise."""
+    assert ONormBlockSizes.default_for(32, 128).block_rows == 1
+    assert ONormBlockSizes.default_for(256, 128).block_rows == 1
+    assert ONormBlockSizes.default_for(8192 * 32, 128) == ONormBlockSizes(64, num_warps=4)
+    for n in (2048, 640, 532):
+        blk = ONormBlockSizes.default_for(n, 128)
+        assert n % blk.block_rows == 0 and n // blk.block_rows >= 2 * 132, (n, blk)
+
+
 def test_o_norm_rejects_bad_shapes(rng):
     o, z, w = _inputs(rng, jnp.float32)
     with pytest.raises(ValueError, match="z has shape"):
@@ -43,7 +67,7 @@ def test_o_norm_rejects_bad_shapes(rng):
         o_norm(o, z, w[:-1], eps=EPS)
 
 
-@pytest.mark.parametrize("rows", [(1, 1), (4, 8)])
+@pytest.mark.parametrize("rows", [(1, 1), (4, 8), (1, 2048)])
 def test_o_norm_lowers_for_h200(rows):
     """Kimi-Linear heads (H=32, V=128), decode and a small prefill."""
     o = jnp.ones((*rows, 32, 128), jnp.float32)
