@@ -19,6 +19,7 @@ Usage (on the GPU):
   python benchmarks/bench_gemv.py --out results.json [--quick]
   python benchmarks/bench_gemv.py --sweep --out sweep.json   # block sizes on w_in, o_proj
   python benchmarks/bench_gemv.py --sweep --sweep-rows 64 --out sweep64.json  # ... at M = 64
+  python benchmarks/bench_gemv.py --sweep --deep --out deep.json  # deeper pipelines, M = 1
 """
 
 from __future__ import annotations
@@ -184,8 +185,14 @@ def main_cases(args, device, target_s, reps):
     return records
 
 
-def _candidates(name: str, m: int):
-    """(block_n, block_d, warps, stages, split) candidates for a weight at M rows."""
+def _candidates(name: str, m: int, deep: bool = False):
+    """(block_n, block_d, warps, stages, split) candidates for a weight at M rows; `deep`: the
+    deeper pipelines and 512-column slices of session 9 (more weight bytes in flight per
+    program: o_proj unsplit or split 2-4, which the first sweep only took to 4 stages)."""
+    if deep:
+        if name == "w_in":
+            return itertools.product((32, 64), (256, 512), (4, 8), (6, 8), (1,))
+        return itertools.product((16, 32), (256, 512), (4,), (6, 8), (1, 2, 4))
     if m > G.MAX_KERNEL_ROWS:  # an activation tile of up to 64 rows: narrower slices, wider rows
         splits = (1, 2, 3) if name == "w_in" else (1, 2, 4)
         return itertools.product((32, 64, 128), (64, 128), (4, 8), (3,), splits)
@@ -213,7 +220,7 @@ def sweep_cases(args, device, target_s, reps):
             rec = _record(args, device, "gemv_sweep", shape, "xla_dot", t_xla, floor, None)
             records.append(rec)
             rows.append((shape, t_xla, floor))
-            for bn, bd, warps, stages, split in _candidates(name, m):
+            for bn, bd, warps, stages, split in _candidates(name, m, args.deep):
                 if (d // bd) % split:
                     continue
                 bs = G.GemvBlockSizes(bn, bd, warps, stages, split)
@@ -254,6 +261,9 @@ def main():
         type=lambda v: tuple(int(m) for m in v.split(",")),
         default=(1,),
         help="comma-separated M values to sweep (default 1)",
+    )
+    parser.add_argument(
+        "--deep", action="store_true", help="with --sweep: the deep-pipeline candidates"
     )
     args = parser.parse_args()
     args.commit = _commit()

@@ -1,7 +1,8 @@
 """The one place a backend name becomes the functions the block's forward calls.
 
 Both backends expose the same six stages with the signatures of `pallas_kernels.reference`:
-`proj`, `proj_many`, `conv_decode`, `conv_prefill`, `decode_core`, `prefill_core`.
+`proj`, `proj_many`, `decode_front` (the decode conv with the f_b | g_b projections),
+`conv_prefill`, `decode_core`, `prefill_core`.
 - `xla`: the pure-jnp references (any platform; the CPU default).
 - `pallas`: the Pallas Triton kernels (the GPU default); on a machine without a GPU they run in
   interpret mode, which is slow and meant for tests.
@@ -25,7 +26,7 @@ BACKENDS = ("xla", "pallas")
 class Stages:
     proj: Callable
     proj_many: Callable
-    conv_decode: Callable
+    decode_front: Callable
     conv_prefill: Callable
     decode_core: Callable
     prefill_core: Callable
@@ -51,21 +52,22 @@ def stages(backend: str) -> Stages:
         return Stages(
             proj=ref.gemv_reference,
             proj_many=ref.proj_many_reference,
-            conv_decode=ref.conv_decode_reference,
+            decode_front=ref.decode_front_reference,
             conv_prefill=ref.conv_prefill_reference,
             decode_core=ref.decode_core_reference,
             prefill_core=ref.prefill_core_reference,
         )
     if backend == "pallas":
         from pallas_kernels.chunk import prefill_core
-        from pallas_kernels.conv import conv_decode, conv_prefill
+        from pallas_kernels.conv import conv_prefill
+        from pallas_kernels.front import decode_front
         from pallas_kernels.gemv import proj, proj_many
         from pallas_kernels.recurrent import decode_core
 
         return Stages(
             proj=proj,
             proj_many=proj_many,
-            conv_decode=conv_decode,
+            decode_front=decode_front,
             conv_prefill=conv_prefill,
             decode_core=decode_core,
             prefill_core=prefill_core,

@@ -32,20 +32,12 @@ def _check_x(x: jax.Array, cfg: KdaConfig, rank: int, what: str) -> None:
         raise TypeError(f"{what}: x has dtype {x.dtype}, expected a floating dtype")
 
 
-def _front(st: backends.Stages, params: KdaParams, cfg: KdaConfig, x: jax.Array):
-    """The projections of x [B, R, D]: q|k|v raw [B, R, 3P], f [B, R, P], b [B, R, H], z.
-
-    One sweep of w_in hands back its parts as separate arrays (no slice copies), and f_b, g_b
-    run in one launch (`proj_many`)."""
-    b_, r, d = x.shape
+def _in_proj(st: backends.Stages, params: KdaParams, cfg: KdaConfig, x: jax.Array):
+    """w_in's product for x [N, D], in one sweep handing back its parts as separate arrays (no
+    slice copies): q|k|v raw [N, 3P], f_a [N, K], g_a [N, K], b [N, H]."""
     sl = in_proj_slices(cfg)
     widths = (cfg.conv_dim, *(sl[n].stop - sl[n].start for n in ("f_a", "g_a", "b")))
-    qkv, f_a, g_a, b = st.proj(
-        x.reshape(b_ * r, d).astype(params.dtype), params.w_in, splits=widths
-    )
-    f, z = st.proj_many((f_a, g_a), (params.f_b, params.g_b))
-    shape = lambda a: a.reshape(b_, r, a.shape[-1])  # noqa: E731
-    return shape(qkv), shape(f), shape(b), shape(z)
+    return st.proj(x.astype(params.dtype), params.w_in, splits=widths)
 
 
 def _heads(cfg: KdaConfig, a: jax.Array) -> jax.Array:
@@ -56,13 +48,16 @@ def _heads(cfg: KdaConfig, a: jax.Array) -> jax.Array:
 def _rows(params, cfg, x, state, backend, snapshots, return_stages):
     """R rows per sequence through the decode path; shared by `decode` and `decode_k`."""
     st = backends.stages(backends.resolve(backend))
-    b_, r, _ = x.shape
+    b_, r, d = x.shape
     state.check(cfg, b_)
-    qkv, f, b, z = _front(st, params, cfg, x)
-    qkv_out, conv_state, conv_snaps = st.conv_decode(
-        qkv,
+    qkv, f_a, g_a, b = _in_proj(st, params, cfg, x.reshape(b_ * r, d))
+    # The conv and f_b | g_b both read w_in's output only: one launch on the kernel path.
+    qkv_out, conv_state, conv_snaps, (f, z) = st.decode_front(
+        qkv.reshape(b_, r, -1),
         state.conv,
         params.conv_w,
+        (f_a, g_a),
+        (params.f_b, params.g_b),
         qk_channels=cfg.qk_channels,
         head_dim=cfg.head_dim,
         l2_eps=cfg.l2_eps,
@@ -70,6 +65,8 @@ def _rows(params, cfg, x, state, backend, snapshots, return_stages):
         snapshots=snapshots,
     )
     q, k, v = (_heads(cfg, a) for a in qkv_out)
+    shape = lambda a: a.reshape(b_, r, a.shape[-1])  # noqa: E731
+    qkv, f, b, z = shape(qkv), shape(f), shape(b), shape(z)
     y, rec, rec_snaps = st.decode_core(
         q,
         k,
@@ -192,7 +189,10 @@ def prefill(
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
     state.check(cfg, b_)
     st = backends.stages(backends.resolve(backend))
-    qkv, f, b, z = _front(st, params, cfg, x)
+    qkv, f_a, g_a, b = _in_proj(st, params, cfg, x.reshape(b_ * t, -1))
+    f, z = st.proj_many((f_a, g_a), (params.f_b, params.g_b))
+    shape = lambda a: a.reshape(b_, t, a.shape[-1])  # noqa: E731
+    qkv, f, b, z = shape(qkv), shape(f), shape(b), shape(z)
     conv_out, conv_state = st.conv_prefill(
         qkv,
         state.conv,

@@ -9,6 +9,7 @@ has the signature of its reference in `reference.py` (`<name>_reference`).
 |-----------------------------------------|-------------------------------|------------------|
 | projections (decode, verify)            | gemv, gemv_batchm, proj       | gemv.py          |
 | short conv + SiLU + L2 of q, k          | conv_decode, conv_prefill     | conv.py          |
+| decode conv with f_b, g_b in one launch | decode_front                  | front.py         |
 | gate, beta                              | gate                          | gate.py          |
 | recurrence (decode, verify, snapshots)  | recurrent, decode_core        | recurrent.py     |
 | chunked prefill: intra-chunk            | chunk_prepare                 | chunk_prepare.py |

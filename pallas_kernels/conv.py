@@ -86,14 +86,17 @@ def _conv_row(window, x_row, taps, qk_mask, l2_eps):
     return jnp.where(qk_mask, y * inv, y)
 
 
-def _qk_mask(block_heads: int, qk_groups: int):
-    """[HB, 1] bool: which head groups of this program's tile are q or k."""
-    group = pl.program_id(1) * block_heads + lax.broadcasted_iota(jnp.int32, (block_heads, 1), 0)
+def _qk_mask(block_heads: int, qk_groups: int, j):
+    """[HB, 1] bool: which head groups of channel tile j are q or k."""
+    group = j * block_heads + lax.broadcasted_iota(jnp.int32, (block_heads, 1), 0)
     return group < qk_groups
 
 
-def _conv_decode_kernel(x_ref, state_ref, *refs, rows, width, qk_groups, l2_eps, tiles, snapshots):
-    """x_ref: [R, HB, K]; state_ref: [W-1, HB, K]; refs: W tap refs [HB, K], then one out ref
+def _conv_decode_program(
+    x_ref, state_ref, *refs, j, rows, width, qk_groups, l2_eps, tiles, snapshots
+):
+    """Channel tile j (a traced scalar read outside any `pl.when`) of one sequence.
+    x_ref: [R, HB, K]; state_ref: [W-1, HB, K]; refs: W tap refs [HB, K], then one out ref
     [R, HB, K] per output segment, new_state_ref [W-1, HB, K] (state_ref's memory), and with
     `snapshots` states_ref [R, W-1, HB, K]. `tiles`: the first channel tile of each segment and
     the end (this program's segment is where its tile falls; the other segments' refs point at
@@ -104,8 +107,7 @@ def _conv_decode_kernel(x_ref, state_ref, *refs, rows, width, qk_groups, l2_eps,
     refs = refs[:-1] if snapshots else refs
     tap_refs, out_refs, new_state_ref = refs[:width], refs[width:-1], refs[-1]
     taps = [r[...].astype(f32) for r in tap_refs]
-    j = pl.program_id(1)  # read here: interpret mode cannot see program_id inside pl.when
-    qk_mask = _qk_mask(x_ref.shape[1], qk_groups)
+    qk_mask = _qk_mask(x_ref.shape[1], qk_groups, j)
     window = [state_ref[i].astype(f32) for i in range(width - 1)]
     # Every row is loaded before the first store: a load after a store waits for it (the refs
     # cannot be told apart), which made R rows R memory round trips.
@@ -148,11 +150,17 @@ def _segments(splits, c: int, lanes: int, what: str) -> tuple[tuple[int, ...], t
     return widths, common.bounds(v // lanes for v in widths)
 
 
-def _segment_spec(block, tiles, s: int, index):
-    """BlockSpec of output segment s: `index(ids, tile)` places the program's tile, clamped into
-    the segment (programs of other segments get a clamped block they never write)."""
+def _segment_spec(block, tiles, s: int, index, ids=lambda *g: g[:2]):
+    """BlockSpec of output segment s: `index(sequence, tile)` places the program's tile, clamped
+    into the segment (programs of other segments get a clamped block they never write); `ids`
+    maps the grid ids to (sequence, channel tile)."""
     lo, hi = tiles[s], tiles[s + 1]
-    return pl.BlockSpec(block, lambda *ids: index(ids, jnp.clip(ids[1] - lo, 0, hi - lo - 1)))
+
+    def place(*g):
+        i, j = ids(*g)
+        return index(i, jnp.clip(j - lo, 0, hi - lo - 1))
+
+    return pl.BlockSpec(block, place)
 
 
 def _tap_specs(width: int, hb: int, k: int, index_of_group):
@@ -178,6 +186,125 @@ def _check(x, conv_state, w, qk_channels, head_dim, what):
         )
     if width < 2:
         raise ValueError(f"{what}: conv width W={width} must be >= 2")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """conv_decode laid out for a launch (`plan_decode`): `conv_decode` runs it alone;
+    `front.decode_front` runs its programs in a grid it shares with the f_b | g_b sweep.
+
+    Attributes:
+      inputs, in_specs: x, the conv state, the W tap views of w, with their BlockSpecs.
+      out_shape, out_specs: one output per segment, the new state, the snapshots if asked.
+      state_output: index of the new state in the outputs (aliased to input 1, the old state).
+      programs, tiles: B * channel tiles, and the channel tiles of one sequence.
+      kernel_kw: the static arguments of `_conv_decode_program`.
+    """
+
+    inputs: tuple
+    in_specs: tuple
+    out_shape: tuple
+    out_specs: tuple
+    state_output: int
+    programs: int
+    tiles: int
+    kernel_kw: dict
+    num_warps: int
+    shape: tuple[int, int, int, int]  # B, R, C, W
+    splits: tuple[int, ...] | None
+    snapshots: bool
+
+    def program(self, refs, j) -> None:
+        """Channel tile j of the sequence the BlockSpecs picked; refs: inputs', then outputs'."""
+        _conv_decode_program(*refs, j=j, **self.kernel_kw)
+
+    def finish(self, res):
+        """The launch's outputs -> (out or its segments, new_state, states | None)."""
+        b, r, c, width = self.shape
+        n_out = self.state_output
+        outs = tuple(o.reshape(b, r, o.shape[2] * o.shape[3]) for o in res[:n_out])
+        new_state = res[n_out].reshape(b, width - 1, c)
+        states = res[n_out + 1].reshape(b, r, width - 1, c) if self.snapshots else None
+        return (outs[0] if self.splits is None else outs), new_state, states
+
+
+def plan_decode(
+    x,
+    conv_state,
+    w,
+    *,
+    qk_channels: int,
+    head_dim: int,
+    l2_eps: float,
+    splits=None,
+    snapshots: bool = False,
+    block_sizes: ConvBlockSizes | None = None,
+    flat: bool = False,
+) -> DecodePlan:
+    """Validates conv_decode's arguments and lays out its launch: for a grid (B, tiles), or
+    with `flat` for a 1-D grid whose first B * tiles programs are the conv's (program p is
+    sequence p // tiles, tile p % tiles; later programs see the last tile's blocks and must not
+    run `program`)."""
+    _check(x, conv_state, w, qk_channels, head_dim, "conv_decode")
+    b, r, c = x.shape
+    width, k = w.shape[1], head_dim
+    groups = c // k
+    blk = block_sizes or ConvBlockSizes.default_for(1, groups, k)
+    hb = blk.block_heads
+    if groups % hb:
+        raise ValueError(f"conv_decode: block_heads={hb} must divide the {groups} head groups")
+    widths, tiles = _segments(splits, c, hb * k, "conv_decode")
+    n_tiles = groups // hb
+    if flat:
+        ids = lambda p: divmod(jnp.minimum(p, b * n_tiles - 1), n_tiles)  # noqa: E731
+    else:
+        ids = lambda i, j: (i, j)  # noqa: E731
+    at = lambda index: lambda *g: index(*ids(*g))  # noqa: E731
+    state_spec = pl.BlockSpec((None, width - 1, hb, k), at(lambda i, j: (i, 0, j, 0)))
+    snap_shapes, snap_specs = [], []
+    if snapshots:
+        snap_shapes = [jax.ShapeDtypeStruct((b, r, width - 1, groups, k), f32)]
+        snap_specs = [pl.BlockSpec((None, r, width - 1, hb, k), at(lambda i, j: (i, 0, 0, j, 0)))]
+    return DecodePlan(
+        inputs=(
+            x.reshape(b, r, groups, k),
+            conv_state.astype(f32).reshape(b, width - 1, groups, k),
+            *([w.reshape(groups, k, width)] * width),
+        ),
+        in_specs=(
+            pl.BlockSpec((None, r, hb, k), at(lambda i, j: (i, 0, j, 0))),
+            state_spec,
+            *_tap_specs(width, hb, k, at(lambda i, j: j)),
+        ),
+        out_shape=(
+            *(jax.ShapeDtypeStruct((b, r, v // k, k), f32) for v in widths),
+            jax.ShapeDtypeStruct((b, width - 1, groups, k), f32),
+            *snap_shapes,
+        ),
+        out_specs=(
+            *(
+                _segment_spec((None, r, hb, k), tiles, s, lambda i, g: (i, 0, g, 0), ids)
+                for s in range(len(widths))
+            ),
+            state_spec,
+            *snap_specs,
+        ),
+        state_output=len(widths),
+        programs=b * n_tiles,
+        tiles=n_tiles,
+        kernel_kw=dict(
+            rows=r,
+            width=width,
+            qk_groups=qk_channels // k,
+            l2_eps=l2_eps,
+            tiles=tiles,
+            snapshots=snapshots,
+        ),
+        num_warps=blk.num_warps,
+        shape=(b, r, c, width),
+        splits=None if splits is None else tuple(int(v) for v in splits),
+        snapshots=snapshots,
+    )
 
 
 def conv_decode(
@@ -214,64 +341,33 @@ def conv_decode(
         memory when the caller donates it.
       states: [B, R, W-1, C] fp32, the conv state after each row, or None without `snapshots`.
     """
-    _check(x, conv_state, w, qk_channels, head_dim, "conv_decode")
-    b, r, c = x.shape
-    width, k = w.shape[1], head_dim
-    groups = c // k
-    blk = block_sizes or ConvBlockSizes.default_for(1, groups, k)
-    hb = blk.block_heads
-    if groups % hb:
-        raise ValueError(f"conv_decode: block_heads={hb} must divide the {groups} head groups")
-    widths, tiles = _segments(splits, c, hb * k, "conv_decode")
-    kernel = functools.partial(
-        _conv_decode_kernel,
-        rows=r,
-        width=width,
-        qk_groups=qk_channels // k,
+    cp = plan_decode(
+        x,
+        conv_state,
+        w,
+        qk_channels=qk_channels,
+        head_dim=head_dim,
         l2_eps=l2_eps,
-        tiles=tiles,
+        splits=splits,
         snapshots=snapshots,
+        block_sizes=block_sizes,
     )
-    state_spec = pl.BlockSpec((None, width - 1, hb, k), lambda i, j: (i, 0, j, 0))
-    snap_shapes, snap_specs = [], []
-    if snapshots:
-        snap_shapes = [jax.ShapeDtypeStruct((b, r, width - 1, groups, k), f32)]
-        snap_specs = [pl.BlockSpec((None, r, width - 1, hb, k), lambda i, j: (i, 0, 0, j, 0))]
+
+    def kernel(*refs):
+        cp.program(refs, pl.program_id(1))
+
     res = pl.pallas_call(
         kernel,
-        out_shape=(
-            *(jax.ShapeDtypeStruct((b, r, v // k, k), f32) for v in widths),
-            jax.ShapeDtypeStruct((b, width - 1, groups, k), f32),
-            *snap_shapes,
-        ),
-        grid=(b, groups // hb),
-        in_specs=[
-            pl.BlockSpec((None, r, hb, k), lambda i, j: (i, 0, j, 0)),
-            state_spec,
-            *_tap_specs(width, hb, k, lambda i, j: j),
-        ],
-        out_specs=(
-            *(
-                _segment_spec((None, r, hb, k), tiles, s, lambda ids, g: (ids[0], 0, g, 0))
-                for s in range(len(widths))
-            ),
-            state_spec,
-            *snap_specs,
-        ),
-        compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),
-        input_output_aliases={1: len(widths)},
+        out_shape=cp.out_shape,
+        grid=(x.shape[0], cp.tiles),
+        in_specs=cp.in_specs,
+        out_specs=cp.out_specs,
+        compiler_params=plt.CompilerParams(num_warps=cp.num_warps, num_stages=1),
+        input_output_aliases={1: cp.state_output},
         name="kda_conv_decode",
         interpret=common.interpret(),
-    )(
-        x.reshape(b, r, groups, k),
-        conv_state.astype(f32).reshape(b, width - 1, groups, k),
-        *([w.reshape(groups, k, width)] * width),
-    )
-    n_out = len(widths)
-    outs = tuple(o.reshape(b, r, o.shape[2] * k) for o in res[:n_out])
-    new_state = res[n_out].reshape(b, width - 1, c)
-    states = res[n_out + 1].reshape(b, r, width - 1, c) if snapshots else None
-    return (outs[0] if splits is None else outs), new_state, states
+    )(*cp.inputs)
+    return cp.finish(res)
 
 
 def _conv_prefill_kernel(
@@ -284,7 +380,7 @@ def _conv_prefill_kernel(
     j = pl.program_id(1)  # read here: interpret mode cannot see program_id inside pl.when
     length = len_ref[0]
     taps = [r[...].astype(f32) for r in tap_refs]
-    qk_mask = _qk_mask(x_ref.shape[1], qk_groups)
+    qk_mask = _qk_mask(x_ref.shape[1], qk_groups, j)
     t0 = pl.program_id(2) * block_t
     dtype = out_refs[0].dtype
 
@@ -382,7 +478,7 @@ def conv_prefill(
         ],
         out_specs=(
             *(
-                _segment_spec((None, t, hb, k), tiles, s, lambda ids, g: (ids[0], 0, g, 0))
+                _segment_spec((None, t, hb, k), tiles, s, lambda i, g: (i, 0, g, 0))
                 for s in range(len(widths))
             ),
             state_spec,

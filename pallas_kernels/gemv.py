@@ -60,8 +60,10 @@ __all__ = [
     "GemvBlockSizes",
     "MAX_KERNEL_ROWS",
     "MAX_TILE_ROWS",
+    "SweepPlan",
     "gemv",
     "gemv_batchm",
+    "plan",
     "proj",
     "proj_many",
 ]
@@ -172,12 +174,28 @@ class GemvBlockSizes:
         return cls(block_n=32, block_d=block_d, num_stages=3, split_d=split_d)
 
 
-def _gemv_kernel(
-    *refs, groups: int, m: int, rows: int, n: int, d: int, bs: GemvBlockSizes, steps: int, bounds
+def _gemv_kernel(*refs, **kw):
+    """The sweep's own launch: the program ids are its grid's (row tile, split, group)."""
+    _gemv_program(refs, (pl.program_id(0), pl.program_id(1), pl.program_id(2)), **kw)
+
+
+def _gemv_program(
+    refs,
+    ids,
+    *,
+    groups: int,
+    m: int,
+    rows: int,
+    n: int,
+    d: int,
+    bs: GemvBlockSizes,
+    steps: int,
+    bounds,
 ):
-    """One program: rows n0:n0+block_n (n0 = program_id(0) * block_n) of group program_id(2),
-    over the D range of split = program_id(1) (`steps` slices of block_d); `rows` >= m is the
-    activation tile's height (16 for m <= 8).
+    """One program: rows n0:n0+block_n (n0 = ids[0] * block_n) of group ids[2], over the D range
+    of split = ids[1] (`steps` slices of block_d); `rows` >= m is the activation tile's height
+    (16 for m <= 8). `ids` are traced scalars read outside any `pl.when` (interpret mode cannot
+    see program_id inside one), so a launch that shares its grid with other work can pass its own.
 
     refs: x refs [m, d] (any float dtype, cast to w's dtype on load, as the reference does), one
     per group; w refs [n, d], one per group; then per group one y ref [split_d, m, n_s] per output
@@ -187,8 +205,8 @@ def _gemv_kernel(
     block_n, block_d = bs.block_n, bs.block_d
     xs, ws, ys = refs[:groups], refs[groups : 2 * groups], refs[2 * groups :]
     segments = len(bounds) - 1
-    n0 = pl.program_id(0) * block_n
-    split = pl.program_id(1)  # read here: interpret mode cannot see program_id inside pl.when
+    n0 = ids[0] * block_n
+    split = ids[1]
     first = split * steps
     x_rows = lax.broadcasted_iota(jnp.int32, (rows, block_d), 0) < m  # [rows, block_d]
     w_rows = n0 + lax.broadcasted_iota(jnp.int32, (block_n, block_d), 0) < n  # [block_n, block_d]
@@ -246,7 +264,7 @@ def _gemv_kernel(
         group(0)
     else:
         for g in range(groups):
-            pl.when(pl.program_id(2) == g)(functools.partial(group, g))
+            pl.when(ids[2] == g)(functools.partial(group, g))
 
 
 def _check(x: jax.Array, w: jax.Array, what: str, m_range: tuple[int, int]) -> None:
@@ -283,43 +301,107 @@ def _bounds(n: int, splits) -> tuple[int, ...]:
     return bounds
 
 
-def _sweep(xs, ws, *, out_dtype, block_sizes: GemvBlockSizes, bounds) -> list[list[jax.Array]]:
-    """xs[g] [M, D] (M <= 64) @ ws[g][N, D].T for every group g, one pass over each weight, in
-    one launch; group g's rows split at `bounds` -> [[y [M, n_s] out_dtype per segment] per
-    group]."""
+@dataclasses.dataclass(frozen=True)
+class SweepPlan:
+    """One sweep of `groups` weights laid out for a launch (`plan`): `_launch` runs it alone;
+    `front.decode_front` runs its programs in a grid it shares with conv_decode's.
+
+    Attributes:
+      inputs: xs, then ws (the refs `program` reads, in order).
+      out_shape: one buffer [split_d, M, n_s] per group and output segment (fp32 partial sums
+        when split_d > 1, else out_dtype).
+      grid: (row tiles, split_d, groups).
+      kernel_kw: the static arguments of `_gemv_program`.
+      out_dtype, groups, segments, splits: what `finish` needs to build the results.
+    """
+
+    inputs: tuple
+    out_shape: tuple
+    grid: tuple[int, int, int]
+    block_sizes: GemvBlockSizes
+    kernel_kw: dict
+    out_dtype: jnp.dtype
+    groups: int
+    segments: int
+    splits: tuple[int, ...] | None
+
+    def program(self, refs, ids) -> None:
+        """One program of the sweep; refs: `inputs`' refs then `out_shape`'s; ids: (row tile,
+        split, group) as traced scalars."""
+        _gemv_program(refs, ids, **self.kernel_kw)
+
+    def finish(self, parts) -> list:
+        """The launch's buffers -> per group, y [M, N] (or a tuple of segments with `splits`).
+        Split partial sums are added in a fixed left-to-right order, elementwise: the same chain
+        of operations for every row whatever M is."""
+        out = []
+        for p in parts:
+            y = p[0]
+            for i in range(1, self.block_sizes.split_d):
+                y = y + p[i]
+            out.append(y.astype(self.out_dtype))
+        ys = [out[g * self.segments : (g + 1) * self.segments] for g in range(self.groups)]
+        return [y[0] if self.splits is None else tuple(y) for y in ys]
+
+
+def plan(xs, ws, *, out_dtype=None, block_sizes=None, splits=None, what="proj_many") -> SweepPlan:
+    """Validates xs[g] [M, D] (1 <= M <= 64) and ws[g] [N, D] and lays out one sweep over every
+    weight (the tiling of `GemvBlockSizes.default_for` unless given: the same for every M <= 8,
+    which is what keeps rows' bits across M)."""
+    xs, ws = tuple(xs), tuple(ws)
+    for x, w in zip(xs, ws, strict=True):
+        _check(x, w, what, (1, MAX_TILE_ROWS))
     m, d = xs[0].shape
     n = ws[0].shape[0]
-    bs = block_sizes
+    bounds = _bounds(n, splits)
+    bs = block_sizes or _largest_block_n(GemvBlockSizes.default_for(n, d, m, ws[0].dtype), bounds)
     steps = common.cdiv(d, bs.block_d)
     if steps % bs.split_d:
         raise ValueError(f"split_d={bs.split_d} must divide the {steps} slices of D={d}")
     if any(b % bs.block_n for b in bounds[1:-1]):
         raise ValueError(f"block_n={bs.block_n} must divide every split bound {bounds[1:-1]}")
-    steps //= bs.split_d
+    out_dtype = jnp.dtype(out_dtype or ws[0].dtype)
     groups, segments = len(ws), len(bounds) - 1
     rows = max(_ROWS, common.next_pow2(m))  # 16 for every M <= 8
-    kernel = functools.partial(
-        _gemv_kernel, groups=groups, m=m, rows=rows, n=n, d=d, bs=bs, steps=steps, bounds=bounds
-    )
     part_dtype = out_dtype if bs.split_d == 1 else jnp.float32
     widths = [bounds[s + 1] - bounds[s] for s in range(segments)]
-    parts = pl.pallas_call(
-        kernel,
-        out_shape=[
+    return SweepPlan(
+        inputs=(*xs, *ws),
+        out_shape=tuple(
             jax.ShapeDtypeStruct((bs.split_d, m, w), part_dtype) for _ in ws for w in widths
-        ],
+        ),
         grid=(common.cdiv(n, bs.block_n), bs.split_d, groups),
-        compiler_params=plt.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        block_sizes=bs,
+        kernel_kw=dict(
+            groups=groups,
+            m=m,
+            rows=rows,
+            n=n,
+            d=d,
+            bs=bs,
+            steps=steps // bs.split_d,
+            bounds=bounds,
+        ),
+        out_dtype=out_dtype,
+        groups=groups,
+        segments=segments,
+        splits=None if splits is None else tuple(int(v) for v in splits),
+    )
+
+
+def _launch(sp: SweepPlan) -> list:
+    """Runs one sweep alone, in one launch."""
+    parts = pl.pallas_call(
+        functools.partial(_gemv_kernel, **sp.kernel_kw),
+        out_shape=list(sp.out_shape),
+        grid=sp.grid,
+        compiler_params=plt.CompilerParams(
+            num_warps=sp.block_sizes.num_warps, num_stages=sp.block_sizes.num_stages
+        ),
         name="kda_gemv",
         interpret=common.interpret(),
-    )(*xs, *ws)
-    out = []
-    for p in parts:
-        y = p[0]
-        for i in range(1, bs.split_d):  # fixed left-to-right order, elementwise: M-independent
-            y = y + p[i]
-        out.append(y.astype(out_dtype))
-    return [out[g * segments : (g + 1) * segments] for g in range(groups)]
+    )(*sp.inputs)
+    return sp.finish(parts)
 
 
 def _largest_block_n(bs: GemvBlockSizes, bounds) -> GemvBlockSizes:
@@ -331,17 +413,12 @@ def _largest_block_n(bs: GemvBlockSizes, bounds) -> GemvBlockSizes:
 
 
 def _run(xs, ws, out_dtype, block_sizes, splits, what, m_range):
-    """Validates, picks the tiling (the same for every M: bit-equality), runs one sweep."""
+    """Validates (M within m_range), picks the tiling, runs one sweep."""
     for x, w in zip(xs, ws, strict=True):
         _check(x, w, what, m_range)
-    n, d = ws[0].shape
-    bounds = _bounds(n, splits)
-    bs = block_sizes or _largest_block_n(
-        GemvBlockSizes.default_for(n, d, xs[0].shape[0], ws[0].dtype), bounds
+    return _launch(
+        plan(xs, ws, out_dtype=out_dtype, block_sizes=block_sizes, splits=splits, what=what)
     )
-    out_dtype = jnp.dtype(out_dtype or ws[0].dtype)
-    ys = _sweep(xs, ws, out_dtype=out_dtype, block_sizes=bs, bounds=bounds)
-    return [y[0] if splits is None else tuple(y) for y in ys]
 
 
 def gemv(

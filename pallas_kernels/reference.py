@@ -18,6 +18,7 @@ __all__ = [
     "gemv_reference",
     "proj_many_reference",
     "conv_decode_reference",
+    "decode_front_reference",
     "conv_prefill_reference",
     "gate_reference",
     "recurrent_reference",
@@ -119,6 +120,36 @@ def conv_decode_reference(
     states = windows[:, :, 1:]
     out = out if splits is None else split_last(out, splits)
     return out, states[:, -1], (states if snapshots else None)
+
+
+def decode_front_reference(
+    x: jax.Array,
+    conv_state: jax.Array,
+    w: jax.Array,
+    xs,
+    ws,
+    *,
+    qk_channels: int,
+    head_dim: int,
+    l2_eps: float,
+    splits: tuple[int, ...] | None = None,
+    snapshots: bool = False,
+    out_dtype=None,
+):
+    """The decode step's conv and its f_b | g_b projections, which share one launch on the
+    kernel path: `conv_decode_reference(x, conv_state, w, ...)` and `proj_many_reference(xs,
+    ws)`. Returns (out or its segments, new_state, states | None, ys)."""
+    out, new_state, states = conv_decode_reference(
+        x,
+        conv_state,
+        w,
+        qk_channels=qk_channels,
+        head_dim=head_dim,
+        l2_eps=l2_eps,
+        splits=splits,
+        snapshots=snapshots,
+    )
+    return out, new_state, states, proj_many_reference(xs, ws, out_dtype=out_dtype)
 
 
 def conv_prefill_reference(

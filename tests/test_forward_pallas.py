@@ -181,18 +181,19 @@ def test_pallas_prefill_stage_by_stage_with_padding(name, rng):
 
 
 @pytest.mark.parametrize("batch,rows", [(1, 1), (1, 4), (64, 1)])
-def test_decode_step_launches_six_kernels_and_copies_nothing(batch, rows):
-    """One decode (or k-row verify) step on the kernel path is six Pallas launches (w_in with its
-    four outputs, f_b | g_b, conv, recurrence, RMSNorm, o_proj) and slices no projection or
-    conv output (each kernel writes the arrays the next one reads): every extra XLA op between
-    them was a ~1 us kernel on the H200 (benchmarks/NOTES.md). B = 64 too (64 projection rows)."""
+def test_decode_step_launches_five_kernels_and_copies_nothing(batch, rows):
+    """One decode (or k-row verify) step on the kernel path is five Pallas launches (w_in with its
+    four outputs, conv with f_b | g_b beside it, recurrence, RMSNorm, o_proj) and slices no
+    projection or conv output (each kernel writes the arrays the next one reads): every extra
+    XLA op between them was a ~1 us kernel on the H200 (benchmarks/NOTES.md). B = 64 too (64
+    projection rows)."""
     cfg = K.preset("kimi-linear-48b")
     p = jax.eval_shape(lambda: K.init_params(cfg, jax.random.key(0), DTYPE))
     s = jax.eval_shape(lambda: K.KdaState.zeros(cfg, batch))
     x = jax.ShapeDtypeStruct((batch, rows, cfg.hidden), DTYPE)
     jaxpr = jax.make_jaxpr(lambda p, x, s: K.decode_k(p, cfg, x, s, backend="pallas"))(p, x, s)
     text = str(jaxpr)
-    assert text.count("pallas_call[") == 6, text.count("pallas_call[")
+    assert text.count("pallas_call[") == 5, text.count("pallas_call[")
     # The only slices left are o_proj's split-D partial sums (fused into their sum by XLA); the
     # conv kernel writes the new conv state apart from a verify's snapshots.
     sliced = [ln.strip() for ln in text.splitlines() if "slice[" in ln]

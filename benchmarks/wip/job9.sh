@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Session 9's GPU jobs (repo root on the device machine; results in $OUT, packed into all.tgz).
+#   KDA_COMMIT=abc1234 bash benchmarks/wip/job9.sh front  # compiled test_front, test_conv,
+#       # test_forward_pallas; decode profiles of this tree (conv and f_b | g_b in one launch)
+#       # against base_fec28ad.patch (the tree before it); bench_decode --quick
+#   KDA_COMMIT=abc1234 bash benchmarks/wip/job9.sh again  # bench_decode --quick again (the
+#       # spread between jobs); bench_gemv --sweep --deep; compiled test_gemv
+set -uo pipefail
+what=${1:?front or again}
+: "${KDA_COMMIT:?pass the commit as a literal: git on the device reads stale metadata}"
+export KDA_COMMIT
+source scripts/gpu_common.sh
+prof="python3 benchmarks/decode_profile.py"
+T="python3 -m pytest -q -p no:cacheprovider -p no:warnings -rfE"
+cases=decode:1,decode_k:8,decode:64
+if [ "$what" = front ]; then
+  run "$base" tests_front 170 $T tests/test_front.py tests/test_conv.py tests/test_forward_pallas.py
+  run "$base" prof_new 90 $prof --cases $cases --out "$OUT/prof_new.json"
+  d=$(tree base_fec28ad) && run "$d" prof_old 90 $prof --cases $cases --out "$OUT/prof_old.json"
+  run "$base" bench_decode 150 python3 benchmarks/bench_decode.py --quick --out "$OUT/bench_decode.json"
+  grep -hE '^\{|^ +1.00 x' "$OUT"/prof_*.log | cut -c1-160
+  grep -hE "^decode |^decode_k|^decode_core" "$OUT"/bench_*.log | cut -c1-160
+fi
+if [ "$what" = again ]; then
+  run "$base" bench_decode2 150 python3 benchmarks/bench_decode.py --quick --out "$OUT/bench_decode2.json"
+  run "$base" gemv_deep 130 python3 benchmarks/bench_gemv.py --sweep --deep --out "$OUT/gemv_deep.json"
+  run "$base" tests_gemv 200 $T tests/test_gemv.py
+  grep -hE "^decode |^decode_k" "$OUT"/bench_*.log | cut -c1-160
+  grep -E "^(w_in|o_proj)" "$OUT/gemv_deep.log" | cut -c1-100
+fi
+grep -hE "passed|failed|FAILED|ERROR" "$OUT"/tests_*.log 2>/dev/null | cut -c1-300
+(cd "$OUT" && tar czf all.tgz ./*.log ./*.json 2>/dev/null)

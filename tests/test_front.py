@@ -1,0 +1,116 @@
+"""decode_front (conv_decode and the f_b | g_b sweep in one launch) against its reference and
+against the two kernels launched apart, bit for bit."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ON_GPU, TOL, assert_close, lower_for_h200, normal
+
+from pallas_kernels import gemv
+from pallas_kernels.conv import conv_decode
+from pallas_kernels.front import decode_front
+from pallas_kernels.reference import decode_front_reference
+
+# Conv channels C = 3 * H * K (9 head groups on the CPU), low rank L, P = H * K projection rows.
+B, H, K, W, L = (4, 32, 128, 4, 128) if ON_GPU else (2, 3, 32, 4, 48)
+C, QK, P = 3 * H * K, 2 * H * K, H * K
+KW = dict(qk_channels=QK, head_dim=K, l2_eps=1e-6)
+FP32_TOL = TOL["fp32_gpu"] if ON_GPU else TOL["fp32_cpu"]
+
+
+def _same(got, want, what):
+    """Compiled, the fused launch runs the same Triton code as the launches apart: the same
+    bits. In interpret mode XLA's CPU compiler builds each pallas_call on its own and contracts
+    multiply-adds differently per program (1-ulp differences in fp32), so there the check is
+    fp32 round-off."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if ON_GPU:
+        np.testing.assert_array_equal(got, want, err_msg=what)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=what)
+
+
+def _inputs(key, rows):
+    kx, ks, kw, ka, kb, kc, kd = jax.random.split(key, 7)
+    x = normal(kx, (B, rows, C), jnp.bfloat16)
+    state = normal(ks, (B, W - 1, C))
+    w = normal(kw, (C, W), scale=0.5).at[:, -1].add(1.0)
+    xs = (normal(ka, (B * rows, L), jnp.bfloat16), normal(kb, (B * rows, L), jnp.bfloat16))
+    ws = (normal(kc, (P, L), jnp.bfloat16), normal(kd, (P, L), jnp.bfloat16))
+    return x, state, w, xs, ws
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("snapshots", [False, True])
+def test_decode_front_matches_reference_and_the_kernels_apart(rng, rows, snapshots):
+    x, state, w, xs, ws = _inputs(rng, rows)
+    splits = (P, P, P)
+    out, new_state, states, ys = jax.jit(
+        lambda *a: decode_front(*a, **KW, splits=splits, snapshots=snapshots)
+    )(x, state, w, xs, ws)
+    out_r, new_r, states_r, ys_r = decode_front_reference(
+        x, state, w, xs, ws, **KW, splits=splits, snapshots=snapshots
+    )
+    assert len(out) == 3 and all(o.shape == (B, rows, P) for o in out)
+    assert len(ys) == 2 and all(y.shape == (B * rows, P) and y.dtype == jnp.bfloat16 for y in ys)
+    for i in range(3):
+        assert_close(out[i], out_r[i], FP32_TOL, f"conv out {i}")
+    np.testing.assert_array_equal(new_state, new_r)  # the conv state is a copy of raw inputs
+    if snapshots:
+        np.testing.assert_array_equal(states, states_r)
+    else:
+        assert states is None and states_r is None
+    for i in range(2):
+        assert_close(ys[i], ys_r[i], TOL["bf16_stage"], f"projection {i}")
+    # The same programs as the two launches apart.
+    out_a, new_a, states_a = jax.jit(
+        lambda *a: conv_decode(*a, **KW, splits=splits, snapshots=snapshots)
+    )(x, state, w)
+    ys_a = jax.jit(gemv.proj_many)(xs, ws)
+    for i in range(3):
+        _same(out[i], out_a[i], f"conv out {i}")
+    np.testing.assert_array_equal(new_state, new_a)
+    if snapshots:
+        np.testing.assert_array_equal(states, states_a)
+    for i in range(2):
+        _same(ys[i], ys_a[i], f"projection {i}")
+
+
+def test_decode_front_updates_the_donated_state_in_place(rng):
+    x, state, w, xs, ws = _inputs(rng, 1)
+    want = decode_front_reference(x, state, w, xs, ws, **KW)[1]
+    fn = jax.jit(lambda s, *a: decode_front(a[0], s, *a[1:], **KW)[1], donate_argnums=0)
+    text = fn.lower(state, x, w, xs, ws).as_text()
+    assert "tf.aliasing_output = 0" in text or "jax.buffer_donor" in text, "state not donated"
+    np.testing.assert_array_equal(fn(state + 0.0, x, w, xs, ws), want)
+
+
+def test_decode_front_refuses_bad_input(rng):
+    x, state, w, xs, ws = _inputs(rng, 1)
+    with pytest.raises(ValueError, match="as many of each"):
+        decode_front(x, state, w, xs, ws[:1], **KW)
+    with pytest.raises(ValueError, match="conv_decode: x"):
+        decode_front(x, state[:, 1:], w, xs, ws, **KW)
+    with pytest.raises(ValueError, match="decode_front: x has shape"):
+        decode_front(x, state, w, (xs[0][:, 1:], xs[1]), ws, **KW)
+    with pytest.raises(ValueError, match="decode_front: x has M = 65 rows"):
+        big = jnp.ones((65, L), jnp.bfloat16)
+        decode_front(x, state, w, (big, big), ws, **KW)
+
+
+@pytest.mark.parametrize("batch,rows", [(1, 1), (1, 8), (64, 1)])
+def test_decode_front_lowers_for_h200(batch, rows):
+    """Kimi-Linear: 12288 conv channels, f_a | g_a [B * R, 128] against f_b | g_b [4096, 128]."""
+    m = batch * rows
+    x = jnp.ones((batch, rows, 12288), jnp.bfloat16)
+    state, w = jnp.ones((batch, 3, 12288)), jnp.ones((12288, 4))
+    xs = (jnp.ones((m, 128), jnp.bfloat16),) * 2
+    ws = (jnp.ones((4096, 128), jnp.bfloat16),) * 2
+    fn = lambda *a: decode_front(  # noqa: E731
+        *a, qk_channels=8192, head_dim=128, l2_eps=1e-6, splits=(4096,) * 3, snapshots=rows > 1
+    )
+    text = lower_for_h200(fn, x, state, w, xs, ws)
+    assert "kda_decode_front" in text and text.count("xla.gpu.triton") == 1
