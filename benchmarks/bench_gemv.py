@@ -19,7 +19,7 @@ Usage (on the GPU):
   python benchmarks/bench_gemv.py --out results.json [--quick]
   python benchmarks/bench_gemv.py --sweep --out sweep.json   # block sizes on w_in, o_proj
   python benchmarks/bench_gemv.py --sweep --sweep-rows 64 --out sweep64.json  # ... at M = 64
-  python benchmarks/bench_gemv.py --sweep --deep --out deep.json  # deeper pipelines, M = 1
+  python benchmarks/bench_gemv.py --sweep --deep --sweep-rows 1,8 --out deep.json  # deeper
 """
 
 from __future__ import annotations
@@ -188,10 +188,13 @@ def main_cases(args, device, target_s, reps):
 def _candidates(name: str, m: int, deep: bool = False):
     """(block_n, block_d, warps, stages, split) candidates for a weight at M rows; `deep`: the
     deeper pipelines and 512-column slices of session 9 (more weight bytes in flight per
-    program: o_proj unsplit or split 2-4, which the first sweep only took to 4 stages)."""
+    program: o_proj at M = 1 unsplit or split 2-4, which the first sweep only took to 4
+    stages; w_in with 64-row tiles)."""
     if deep:
-        if name == "w_in":
-            return itertools.product((32, 64), (256, 512), (4, 8), (6, 8), (1,))
+        if name == "w_in":  # also 64-row tiles, which re-read x half as often at M = 8
+            return itertools.product((32, 64), (128, 256, 512), (4,), (4, 6), (1,))
+        if m > 1:
+            return iter(())
         return itertools.product((16, 32), (256, 512), (4,), (6, 8), (1, 2, 4))
     if m > G.MAX_KERNEL_ROWS:  # an activation tile of up to 64 rows: narrower slices, wider rows
         splits = (1, 2, 3) if name == "w_in" else (1, 2, 4)

@@ -3,8 +3,11 @@
 #   KDA_COMMIT=abc1234 bash benchmarks/wip/job9.sh front  # compiled test_front, test_conv,
 #       # test_forward_pallas; decode profiles of this tree (conv and f_b | g_b in one launch)
 #       # against base_fec28ad.patch (the tree before it); bench_decode --quick
+#   KDA_COMMIT=abc1234 bash benchmarks/wip/job9.sh ab  # decode profiles of this tree against
+#       # w_in64.patch (w_in in 64 x 128 tiles at every M <= 8); bench_gemv --sweep --deep at
+#       # M = 1, 8; compiled test_gemv
 #   KDA_COMMIT=abc1234 bash benchmarks/wip/job9.sh again  # bench_decode --quick again (the
-#       # spread between jobs); bench_gemv --sweep --deep; compiled test_gemv
+#       # spread between jobs); compiled test_gemv, test_forward_pallas
 set -uo pipefail
 what=${1:?front or again}
 : "${KDA_COMMIT:?pass the commit as a literal: git on the device reads stale metadata}"
@@ -21,12 +24,19 @@ if [ "$what" = front ]; then
   grep -hE '^\{|^ +1.00 x' "$OUT"/prof_*.log | cut -c1-160
   grep -hE "^decode |^decode_k|^decode_core" "$OUT"/bench_*.log | cut -c1-160
 fi
+if [ "$what" = ab ]; then
+  run "$base" prof_base 90 $prof --cases $cases --out "$OUT/prof_base.json"
+  d=$(tree w_in64) && run "$d" prof_w_in64 90 $prof --cases $cases --out "$OUT/prof_w_in64.json"
+  run "$base" gemv_deep 140 python3 benchmarks/bench_gemv.py --sweep --deep --sweep-rows 1,8 \
+    --out "$OUT/gemv_deep.json"
+  run "$base" tests_gemv 200 $T tests/test_gemv.py
+  grep -hE '^\{|^ +1.00 x' "$OUT"/prof_*.log | cut -c1-160
+  grep -E "^(w_in|o_proj)" "$OUT/gemv_deep.log" | cut -c1-100
+fi
 if [ "$what" = again ]; then
   run "$base" bench_decode2 150 python3 benchmarks/bench_decode.py --quick --out "$OUT/bench_decode2.json"
-  run "$base" gemv_deep 130 python3 benchmarks/bench_gemv.py --sweep --deep --out "$OUT/gemv_deep.json"
-  run "$base" tests_gemv 200 $T tests/test_gemv.py
+  run "$base" tests_again 300 $T tests/test_gemv.py tests/test_forward_pallas.py
   grep -hE "^decode |^decode_k" "$OUT"/bench_*.log | cut -c1-160
-  grep -E "^(w_in|o_proj)" "$OUT/gemv_deep.log" | cut -c1-100
 fi
 grep -hE "passed|failed|FAILED|ERROR" "$OUT"/tests_*.log 2>/dev/null | cut -c1-300
 (cd "$OUT" && tar czf all.tgz ./*.log ./*.json 2>/dev/null)
