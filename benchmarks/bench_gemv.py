@@ -248,6 +248,7 @@ def sweep_cases(args, device, target_s, reps):
                 )
                 records.append(rec)
                 rows.append((shape, t, floor))
+                print(f"{shape:60s} {t * 1e6:8.2f}", flush=True)  # a cut run keeps its lines
     print(f"\n{'case':60s} {'us':>8s} {'TB/s':>6s} {'floor':>7s}")
     for shape, t, floor in sorted(rows, key=lambda r: (r[0].split(",")[0], r[1])):
         print(f"{shape:60s} {t * 1e6:8.2f} {floor * 4.3 / t:6.2f} {floor * 1e6:7.2f}")

@@ -27,9 +27,9 @@ fi
 if [ "$what" = ab ]; then
   run "$base" prof_base 90 $prof --cases $cases --out "$OUT/prof_base.json"
   d=$(tree w_in64) && run "$d" prof_w_in64 90 $prof --cases $cases --out "$OUT/prof_w_in64.json"
-  run "$base" gemv_deep 140 python3 benchmarks/bench_gemv.py --sweep --deep --sweep-rows 1,8 \
+  run "$base" gemv_deep 170 python3 benchmarks/bench_gemv.py --sweep --deep --sweep-rows 1,8 \
     --out "$OUT/gemv_deep.json"
-  run "$base" tests_gemv 200 $T tests/test_gemv.py
+  run "$base" tests_gemv 180 $T tests/test_gemv.py
   grep -hE '^\{|^ +1.00 x' "$OUT"/prof_*.log | cut -c1-160
   grep -E "^(w_in|o_proj)" "$OUT/gemv_deep.log" | cut -c1-100
 fi
