@@ -6,6 +6,9 @@
 #   KDA_COMMIT=abc1234 bash benchmarks/wip/job9.sh ab  # decode profiles of this tree against
 #       # w_in64.patch (w_in in 64 x 128 tiles at every M <= 8); bench_gemv --sweep --deep at
 #       # M = 1, 8; compiled test_gemv
+#   KDA_COMMIT=abc1234 bash benchmarks/wip/job9.sh rec  # decode profiles (B=1, 8, k=8) of this
+#       # tree against rec_w8.patch / rec_v16.patch (the recurrent tile below 1024
+#       # sequence-heads: [128, 32] at 8 warps, [128, 16] at 4); bench_decode --quick again
 #   KDA_COMMIT=abc1234 bash benchmarks/wip/job9.sh again  # bench_decode --quick again (the
 #       # spread between jobs); compiled test_gemv, test_forward_pallas
 set -uo pipefail
@@ -32,6 +35,16 @@ if [ "$what" = ab ]; then
   run "$base" tests_gemv 180 $T tests/test_gemv.py
   grep -hE '^\{|^ +1.00 x' "$OUT"/prof_*.log | cut -c1-160
   grep -E "^(w_in|o_proj)" "$OUT/gemv_deep.log" | cut -c1-100
+fi
+if [ "$what" = rec ]; then
+  c=decode:1,decode:8,decode_k:8
+  run "$base" prof_base 80 $prof --cases $c --out "$OUT/prof_base.json"
+  for p in rec_w8 rec_v16; do
+    d=$(tree $p) && run "$d" prof_$p 80 $prof --cases $c --out "$OUT/prof_$p.json"
+  done
+  run "$base" bench_decode2 150 python3 benchmarks/bench_decode.py --quick --out "$OUT/bench_decode2.json"
+  grep -hE '^\{|^ +1.00 x +[0-9.]+ us +kda_rec' "$OUT"/prof_*.log | cut -c1-120
+  grep -hE "^decode |^decode_k" "$OUT"/bench_*.log | cut -c1-160
 fi
 if [ "$what" = again ]; then
   run "$base" bench_decode2 150 python3 benchmarks/bench_decode.py --quick --out "$OUT/bench_decode2.json"
