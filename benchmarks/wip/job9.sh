@@ -9,6 +9,9 @@
 #   KDA_COMMIT=abc1234 bash benchmarks/wip/job9.sh rec  # decode profiles (B=1, 8, k=8) of this
 #       # tree against rec_w8.patch / rec_v16.patch (the recurrent tile below 1024
 #       # sequence-heads: [128, 32] at 8 warps, [128, 16] at 4); bench_decode --quick again
+#   KDA_COMMIT=abc1234 bash benchmarks/wip/job9.sh onered  # compiled test_recurrent and
+#       # test_forward_pallas; decode profiles of this tree (one dependent reduction per row in
+#       # the recurrent kernel) against rec_tworeds.patch (the tree before); bench_decode --quick
 #   KDA_COMMIT=abc1234 bash benchmarks/wip/job9.sh again  # bench_decode --quick again (the
 #       # spread between jobs); compiled test_gemv, test_forward_pallas
 set -uo pipefail
@@ -45,6 +48,14 @@ if [ "$what" = rec ]; then
   run "$base" bench_decode2 150 python3 benchmarks/bench_decode.py --quick --out "$OUT/bench_decode2.json"
   grep -hE '^\{|^ +1.00 x +[0-9.]+ us +kda_rec' "$OUT"/prof_*.log | cut -c1-120
   grep -hE "^decode |^decode_k" "$OUT"/bench_*.log | cut -c1-160
+fi
+if [ "$what" = onered ]; then
+  run "$base" tests_onered 200 $T tests/test_recurrent.py tests/test_forward_pallas.py
+  run "$base" prof_onered 80 $prof --cases $cases --out "$OUT/prof_onered.json"
+  d=$(tree rec_tworeds) && run "$d" prof_tworeds 80 $prof --cases $cases --out "$OUT/prof_tworeds.json"
+  run "$base" bench_decode3 150 python3 benchmarks/bench_decode.py --quick --out "$OUT/bench_decode3.json"
+  grep -hE '^\{|^ +1.00 x +[0-9.]+ us +kda_rec' "$OUT"/prof_*.log | cut -c1-120
+  grep -hE "^decode |^decode_k|^decode_core" "$OUT"/bench_*.log | cut -c1-160
 fi
 if [ "$what" = again ]; then
   run "$base" bench_decode2 150 python3 benchmarks/bench_decode.py --quick --out "$OUT/bench_decode2.json"
