@@ -81,20 +81,12 @@ class _Fusions(NamedTuple):
 
 
 def _step(s, q, k, v, g, beta, scale):
-    """One row on a state tile. s: [K, BV]; q, k, g: [K]; v: [BV]; beta: [1]. fp32.
-
-    The recurrence with one dependent reduction over K per row: with S' = diag(e^g) S, the
-    prediction S'^T k = S^T (e^g k) and the read-out's S'^T (s q) = S^T (e^g s q) both reduce the
-    incoming tile, side by side, and o = S_new^T (s q) = S'^T (s q) + delta (k . s q). The
-    reference's order (decay, predict, update, read out) chains two reductions per row, which
-    a verify's R rows walk in sequence."""
-    eg = jnp.exp(g)
-    qs = q * scale
-    pred = jnp.sum(s * (eg * k)[:, None], axis=0)
-    read = jnp.sum(s * (eg * qs)[:, None], axis=0)
+    """One row on a state tile. s: [K, BV]; q, k, g: [K]; v: [BV]; beta: [1]. fp32."""
+    s = s * jnp.exp(g)[:, None]
+    pred = jnp.sum(s * k[:, None], axis=0)
     delta = beta * (v - pred)
-    o = read + delta * jnp.sum(k * qs)
-    s = s * eg[:, None] + k[:, None] * delta[None, :]
+    s = s + k[:, None] * delta[None, :]
+    o = jnp.sum(s * (q * scale)[:, None], axis=0)
     return s, o
 
 
