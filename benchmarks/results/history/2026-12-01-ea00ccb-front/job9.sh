@@ -12,6 +12,9 @@
 #   KDA_COMMIT=abc1234 bash benchmarks/wip/job9.sh onered  # compiled test_recurrent and
 #       # test_forward_pallas; decode profiles of this tree (one dependent reduction per row in
 #       # the recurrent kernel) against rec_tworeds.patch (the tree before); bench_decode --quick
+#   KDA_COMMIT=abc1234 bash <this script> core  # the decode core's device time against FLA's
+#       # (decode_profile core:1,8,64, the records of 2026-12-01_h200_decode_core_device_s9.json);
+#       # compiled test_o_norm
 #   KDA_COMMIT=abc1234 bash benchmarks/wip/job9.sh again  # bench_decode --quick again (the
 #       # spread between jobs); compiled test_gemv, test_forward_pallas
 set -uo pipefail
@@ -56,6 +59,11 @@ if [ "$what" = onered ]; then
   run "$base" bench_decode3 150 python3 benchmarks/bench_decode.py --quick --out "$OUT/bench_decode3.json"
   grep -hE '^\{|^ +1.00 x +[0-9.]+ us +kda_rec' "$OUT"/prof_*.log | cut -c1-120
   grep -hE "^decode |^decode_k|^decode_core" "$OUT"/bench_*.log | cut -c1-160
+fi
+if [ "$what" = core ]; then
+  run "$base" prof_core 120 $prof --cases core:1,core:8,core:64 --out "$OUT/prof_core.json"
+  run "$base" tests_o_norm 100 $T tests/test_o_norm.py
+  grep -hE '^\{' "$OUT"/prof_core.log | cut -c1-400
 fi
 if [ "$what" = again ]; then
   run "$base" bench_decode2 150 python3 benchmarks/bench_decode.py --quick --out "$OUT/bench_decode2.json"
