@@ -16,6 +16,8 @@ of it), and conv_decode writes the new conv state over the old one (`input_outpu
 each program reads its tile of the state, passes a barrier, then writes the same tile), which
 spares a decode loop the copy of its carried state; the per-row states a verify keeps are a
 separate output (`snapshots`), so the new state is never a slice copied out of them.
+conv_decode's launch is laid out once as a `DecodePlan` (`plan_decode`), which its own call runs
+and which `front.decode_front` runs beside the f_b | g_b sweep's programs.
 
 Conv state layout (`KdaState.conv`): [B, W-1, C] fp32, oldest first (`[:, -1]` = previous row).
 """
@@ -198,7 +200,8 @@ class DecodePlan:
       out_shape, out_specs: one output per segment, the new state, the snapshots if asked.
       state_output: index of the new state in the outputs (aliased to input 1, the old state).
       programs, tiles: B * channel tiles, and the channel tiles of one sequence.
-      kernel_kw: the static arguments of `_conv_decode_program`.
+      kernel_kw: the static arguments of `_conv_decode_program`; num_warps: the tiling's.
+      shape, splits, snapshots: (B, R, C, W) and the call's options, for `finish`.
     """
 
     inputs: tuple

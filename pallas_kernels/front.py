@@ -51,12 +51,6 @@ def decode_front(
       (out or its segments, new_state, states | None, ys): conv_decode's three results, then
       the tuple of projections [M, N].
     """
-    xs, ws = tuple(xs), tuple(ws)
-    if not xs or len(xs) != len(ws):
-        raise ValueError(
-            f"decode_front: {len(xs)} activations and {len(ws)} weights, expected as many of "
-            "each (at least one)"
-        )
     cp = conv.plan_decode(
         x,
         conv_state,

@@ -39,7 +39,9 @@ fusion) plus the slices of its output measured slower there (benchmarks/NOTES.md
 8 have their own tiling, so their bits need not match the M <= 8 path's.
 
 `proj` is the stage function the block's forward calls (signature of
-`reference.gemv_reference`), `proj_many` the one for several weights; both dispatch on M.
+`reference.gemv_reference`), `proj_many` the one for several weights; both dispatch on M. A
+sweep is laid out once as a `SweepPlan` (`plan`), which its own launch runs and which
+`front.decode_front` runs beside conv_decode's programs.
 """
 
 from __future__ import annotations
@@ -283,6 +285,22 @@ def _check(x: jax.Array, w: jax.Array, what: str, m_range: tuple[int, int]) -> N
         raise ValueError(f"{what}: x has M = {x.shape[0]} rows, expected {lo} <= M <= {hi}")
 
 
+def _check_groups(xs, ws, what: str) -> None:
+    """As many activations as weights (at least one), one x shape and one w shape and dtype."""
+    if not xs or len(xs) != len(ws) or xs[0].ndim != 2 or xs[0].shape[0] < 1:
+        raise ValueError(
+            f"{what}: {len(xs)} activations and {len(ws)} weights, expected as many of each "
+            "(at least one), activations [M, D] with M >= 1"
+        )
+    if any(x.shape != xs[0].shape for x in xs) or any(
+        w.shape != ws[0].shape or w.dtype != ws[0].dtype for w in ws
+    ):
+        raise ValueError(
+            f"{what}: every group needs the same x and w shapes and w dtype, got x "
+            f"{[tuple(a.shape) for a in xs]}, w {[(tuple(a.shape), a.dtype) for a in ws]}"
+        )
+
+
 def _bounds(n: int, splits) -> tuple[int, ...]:
     """Segment bounds (0, ..., n) of the output rows for `splits`: positive widths summing to n,
     every inner bound a multiple of 16 (the smallest row tile). Checked whatever M is, so the
@@ -349,6 +367,7 @@ def plan(xs, ws, *, out_dtype=None, block_sizes=None, splits=None, what="proj_ma
     weight (the tiling of `GemvBlockSizes.default_for` unless given: the same for every M <= 8,
     which is what keeps rows' bits across M)."""
     xs, ws = tuple(xs), tuple(ws)
+    _check_groups(xs, ws, what)
     for x, w in zip(xs, ws, strict=True):
         _check(x, w, what, (1, MAX_TILE_ROWS))
     m, d = xs[0].shape
@@ -511,18 +530,7 @@ def proj_many(xs, ws, *, out_dtype=None) -> tuple[jax.Array, ...]:
       tuple of [M, N] out_dtype, one per weight.
     """
     xs, ws = list(xs), list(ws)
-    if not xs or len(xs) != len(ws) or xs[0].ndim != 2 or xs[0].shape[0] < 1:
-        raise ValueError(
-            f"proj_many: {len(xs)} activations and {len(ws)} weights, expected as many of each "
-            "(at least one), activations [M, D] with M >= 1"
-        )
-    if any(x.shape != xs[0].shape for x in xs) or any(
-        w.shape != ws[0].shape or w.dtype != ws[0].dtype for w in ws
-    ):
-        raise ValueError(
-            f"proj_many: every group needs the same x and w shapes and w dtype, got x "
-            f"{[tuple(a.shape) for a in xs]}, w {[(tuple(a.shape), a.dtype) for a in ws]}"
-        )
+    _check_groups(xs, ws, "proj_many")
     m = xs[0].shape[0]
     if m <= MAX_TILE_ROWS:
         return tuple(_run(xs, ws, out_dtype, None, None, "proj_many", (1, MAX_TILE_ROWS)))
