@@ -51,9 +51,11 @@ def _rows(params, cfg, x, state, backend, snapshots, return_stages):
     b_, r, d = x.shape
     state.check(cfg, b_)
     qkv, f_a, g_a, b = _in_proj(st, params, cfg, x.reshape(b_ * r, d))
+    shape = lambda a: a.reshape(b_, r, a.shape[-1])  # noqa: E731
+    qkv = shape(qkv)
     # The conv and f_b | g_b both read w_in's output only: one launch on the kernel path.
     qkv_out, conv_state, conv_snaps, (f, z) = st.decode_front(
-        qkv.reshape(b_, r, -1),
+        qkv,
         state.conv,
         params.conv_w,
         (f_a, g_a),
@@ -65,8 +67,7 @@ def _rows(params, cfg, x, state, backend, snapshots, return_stages):
         snapshots=snapshots,
     )
     q, k, v = (_heads(cfg, a) for a in qkv_out)
-    shape = lambda a: a.reshape(b_, r, a.shape[-1])  # noqa: E731
-    qkv, f, b, z = shape(qkv), shape(f), shape(b), shape(z)
+    f, b, z = shape(f), shape(b), shape(z)
     y, rec, rec_snaps = st.decode_core(
         q,
         k,

@@ -198,24 +198,33 @@ class DecodePlan:
     Attributes:
       inputs, in_specs: x, the conv state, the W tap views of w, with their BlockSpecs.
       out_shape, out_specs: one output per segment, the new state, the snapshots if asked.
-      state_output: index of the new state in the outputs (aliased to input 1, the old state).
-      programs, tiles: B * channel tiles, and the channel tiles of one sequence.
-      kernel_kw: the static arguments of `_conv_decode_program`; num_warps: the tiling's.
-      shape, splits, snapshots: (B, R, C, W) and the call's options, for `finish`.
+      kernel_kw: the static arguments of `_conv_decode_program` (its `tiles`: the segments'
+        first channel tiles and the end).
+      num_warps: the tiling's; shape: (B, R, C, W); splits: the call's, for `finish`.
     """
 
     inputs: tuple
     in_specs: tuple
     out_shape: tuple
     out_specs: tuple
-    state_output: int
-    programs: int
-    tiles: int
     kernel_kw: dict
     num_warps: int
-    shape: tuple[int, int, int, int]  # B, R, C, W
+    shape: tuple[int, int, int, int]
     splits: tuple[int, ...] | None
-    snapshots: bool
+
+    @property
+    def tiles(self) -> int:
+        """Channel tiles of one sequence."""
+        return self.kernel_kw["tiles"][-1]
+
+    @property
+    def programs(self) -> int:
+        return self.shape[0] * self.tiles
+
+    @property
+    def state_output(self) -> int:
+        """Index of the new state among the outputs (aliased to input 1, the old state)."""
+        return len(self.kernel_kw["tiles"]) - 1
 
     def program(self, refs, j) -> None:
         """Channel tile j of the sequence the BlockSpecs picked; refs: inputs', then outputs'."""
@@ -227,7 +236,7 @@ class DecodePlan:
         n_out = self.state_output
         outs = tuple(o.reshape(b, r, o.shape[2] * o.shape[3]) for o in res[:n_out])
         new_state = res[n_out].reshape(b, width - 1, c)
-        states = res[n_out + 1].reshape(b, r, width - 1, c) if self.snapshots else None
+        states = res[n_out + 1].reshape(b, r, width - 1, c) if self.kernel_kw["snapshots"] else None
         return (outs[0] if self.splits is None else outs), new_state, states
 
 
@@ -292,9 +301,6 @@ def plan_decode(
             state_spec,
             *snap_specs,
         ),
-        state_output=len(widths),
-        programs=b * n_tiles,
-        tiles=n_tiles,
         kernel_kw=dict(
             rows=r,
             width=width,
@@ -306,7 +312,6 @@ def plan_decode(
         num_warps=blk.num_warps,
         shape=(b, r, c, width),
         splits=None if splits is None else tuple(int(v) for v in splits),
-        snapshots=snapshots,
     )
 
 

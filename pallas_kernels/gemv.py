@@ -328,20 +328,26 @@ class SweepPlan:
       inputs: xs, then ws (the refs `program` reads, in order).
       out_shape: one buffer [split_d, M, n_s] per group and output segment (fp32 partial sums
         when split_d > 1, else out_dtype).
-      grid: (row tiles, split_d, groups).
-      kernel_kw: the static arguments of `_gemv_program`.
-      out_dtype, groups, segments, splits: what `finish` needs to build the results.
+      kernel_kw: the static arguments of `_gemv_program` (the tiling, groups and bounds that
+        `grid` and `finish` read back).
+      out_dtype, splits: the results' dtype and the call's `splits`, for `finish`.
     """
 
     inputs: tuple
     out_shape: tuple
-    grid: tuple[int, int, int]
-    block_sizes: GemvBlockSizes
     kernel_kw: dict
     out_dtype: jnp.dtype
-    groups: int
-    segments: int
     splits: tuple[int, ...] | None
+
+    @property
+    def block_sizes(self) -> GemvBlockSizes:
+        return self.kernel_kw["bs"]
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """(row tiles, split_d, groups)."""
+        bs, kw = self.block_sizes, self.kernel_kw
+        return common.cdiv(kw["n"], bs.block_n), bs.split_d, kw["groups"]
 
     def program(self, refs, ids) -> None:
         """One program of the sweep; refs: `inputs`' refs then `out_shape`'s; ids: (row tile,
@@ -358,18 +364,28 @@ class SweepPlan:
             for i in range(1, self.block_sizes.split_d):
                 y = y + p[i]
             out.append(y.astype(self.out_dtype))
-        ys = [out[g * self.segments : (g + 1) * self.segments] for g in range(self.groups)]
+        segments = len(self.kernel_kw["bounds"]) - 1
+        ys = [out[g * segments : (g + 1) * segments] for g in range(self.kernel_kw["groups"])]
         return [y[0] if self.splits is None else tuple(y) for y in ys]
 
 
-def plan(xs, ws, *, out_dtype=None, block_sizes=None, splits=None, what="proj_many") -> SweepPlan:
-    """Validates xs[g] [M, D] (1 <= M <= 64) and ws[g] [N, D] and lays out one sweep over every
-    weight (the tiling of `GemvBlockSizes.default_for` unless given: the same for every M <= 8,
-    which is what keeps rows' bits across M)."""
+def plan(
+    xs,
+    ws,
+    *,
+    out_dtype=None,
+    block_sizes=None,
+    splits=None,
+    what="proj_many",
+    m_range=(1, MAX_TILE_ROWS),
+) -> SweepPlan:
+    """Validates xs[g] [M, D] (M within m_range, at most 64) and ws[g] [N, D] and lays out one
+    sweep over every weight (the tiling of `GemvBlockSizes.default_for` unless given: the same
+    for every M <= 8, which is what keeps rows' bits across M)."""
     xs, ws = tuple(xs), tuple(ws)
     _check_groups(xs, ws, what)
     for x, w in zip(xs, ws, strict=True):
-        _check(x, w, what, (1, MAX_TILE_ROWS))
+        _check(x, w, what, m_range)
     m, d = xs[0].shape
     n = ws[0].shape[0]
     bounds = _bounds(n, splits)
@@ -380,19 +396,16 @@ def plan(xs, ws, *, out_dtype=None, block_sizes=None, splits=None, what="proj_ma
     if any(b % bs.block_n for b in bounds[1:-1]):
         raise ValueError(f"block_n={bs.block_n} must divide every split bound {bounds[1:-1]}")
     out_dtype = jnp.dtype(out_dtype or ws[0].dtype)
-    groups, segments = len(ws), len(bounds) - 1
     rows = max(_ROWS, common.next_pow2(m))  # 16 for every M <= 8
     part_dtype = out_dtype if bs.split_d == 1 else jnp.float32
-    widths = [bounds[s + 1] - bounds[s] for s in range(segments)]
+    widths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
     return SweepPlan(
         inputs=(*xs, *ws),
         out_shape=tuple(
             jax.ShapeDtypeStruct((bs.split_d, m, w), part_dtype) for _ in ws for w in widths
         ),
-        grid=(common.cdiv(n, bs.block_n), bs.split_d, groups),
-        block_sizes=bs,
         kernel_kw=dict(
-            groups=groups,
+            groups=len(ws),
             m=m,
             rows=rows,
             n=n,
@@ -402,8 +415,6 @@ def plan(xs, ws, *, out_dtype=None, block_sizes=None, splits=None, what="proj_ma
             bounds=bounds,
         ),
         out_dtype=out_dtype,
-        groups=groups,
-        segments=segments,
         splits=None if splits is None else tuple(int(v) for v in splits),
     )
 
@@ -433,11 +444,16 @@ def _largest_block_n(bs: GemvBlockSizes, bounds) -> GemvBlockSizes:
 
 def _run(xs, ws, out_dtype, block_sizes, splits, what, m_range):
     """Validates (M within m_range), picks the tiling, runs one sweep."""
-    for x, w in zip(xs, ws, strict=True):
-        _check(x, w, what, m_range)
-    return _launch(
-        plan(xs, ws, out_dtype=out_dtype, block_sizes=block_sizes, splits=splits, what=what)
+    sp = plan(
+        xs,
+        ws,
+        out_dtype=out_dtype,
+        block_sizes=block_sizes,
+        splits=splits,
+        what=what,
+        m_range=m_range,
     )
+    return _launch(sp)
 
 
 def gemv(

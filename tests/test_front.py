@@ -14,9 +14,11 @@ from pallas_kernels.conv import conv_decode
 from pallas_kernels.front import decode_front
 from pallas_kernels.reference import decode_front_reference
 
-# Conv channels C = 3 * H * K (9 head groups on the CPU), low rank L, P = H * K projection rows.
+# Conv channels C = 3 * H * K (9 head groups on the CPU), low rank L, N projection rows (the
+# block's P = H * K; on the CPU 100, a ragged last row tile of the sweep).
 B, H, K, W, L = (4, 32, 128, 4, 128) if ON_GPU else (2, 3, 32, 4, 48)
 C, QK, P = 3 * H * K, 2 * H * K, H * K
+N = P if ON_GPU else 100
 KW = dict(qk_channels=QK, head_dim=K, l2_eps=1e-6)
 FP32_TOL = TOL["fp32_gpu"] if ON_GPU else TOL["fp32_cpu"]
 
@@ -39,7 +41,7 @@ def _inputs(key, rows):
     state = normal(ks, (B, W - 1, C))
     w = normal(kw, (C, W), scale=0.5).at[:, -1].add(1.0)
     xs = (normal(ka, (B * rows, L), jnp.bfloat16), normal(kb, (B * rows, L), jnp.bfloat16))
-    ws = (normal(kc, (P, L), jnp.bfloat16), normal(kd, (P, L), jnp.bfloat16))
+    ws = (normal(kc, (N, L), jnp.bfloat16), normal(kd, (N, L), jnp.bfloat16))
     return x, state, w, xs, ws
 
 
@@ -55,7 +57,7 @@ def test_decode_front_matches_reference_and_the_kernels_apart(rng, rows, snapsho
         x, state, w, xs, ws, **KW, splits=splits, snapshots=snapshots
     )
     assert len(out) == 3 and all(o.shape == (B, rows, P) for o in out)
-    assert len(ys) == 2 and all(y.shape == (B * rows, P) and y.dtype == jnp.bfloat16 for y in ys)
+    assert len(ys) == 2 and all(y.shape == (B * rows, N) and y.dtype == jnp.bfloat16 for y in ys)
     for i in range(3):
         assert_close(out[i], out_r[i], FP32_TOL, f"conv out {i}")
     np.testing.assert_array_equal(new_state, new_r)  # the conv state is a copy of raw inputs
