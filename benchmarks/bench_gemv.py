@@ -20,7 +20,6 @@ Usage (on the GPU):
   python benchmarks/bench_gemv.py --sweep --out sweep.json   # block sizes on w_in, o_proj
   python benchmarks/bench_gemv.py --sweep --sweep-rows 64 --out sweep64.json  # ... at M = 64
   python benchmarks/bench_gemv.py --sweep --deep --sweep-rows 1,8 --out deep.json  # deeper
-  python benchmarks/bench_gemv.py --sweep --fma --sweep-rows 1,8 --out fma.json  # CUDA cores
 """
 
 from __future__ import annotations
@@ -207,16 +206,6 @@ def _candidates(name: str, m: int, deep: bool = False):
     return itertools.product((16, 32, 64), (128, 256), warps_list, stages_list, splits)
 
 
-def _fma_candidates(name: str, m: int):
-    """CUDA-core products (mma=False, M <= 8): narrow row tiles and many programs, as a plain
-    read of the weight likes them; tiles whose M accumulators would pass ~128 registers a
-    thread are left out."""
-    splits = (1, 2) if name == "o_proj" else (1,)
-    for bn, bd, warps, split in itertools.product((2, 4, 8), (256, 512), (2, 4), splits):
-        if m * bn * bd // (32 * warps) <= 128:
-            yield bn, bd, warps, 3, split
-
-
 def sweep_cases(args, device, target_s, reps):
     """Times every block-size candidate on w_in and o_proj at each M of --sweep-rows, with XLA's
     dot beside each (same loop, same weights)."""
@@ -234,11 +223,10 @@ def sweep_cases(args, device, target_s, reps):
             rec = _record(args, device, "gemv_sweep", shape, "xla_dot", t_xla, floor, None)
             records.append(rec)
             rows.append((shape, t_xla, floor))
-            cands = _fma_candidates(name, m) if args.fma else _candidates(name, m, args.deep)
-            for bn, bd, warps, stages, split in cands:
+            for bn, bd, warps, stages, split in _candidates(name, m, args.deep):
                 if (d // bd) % split:
                     continue
-                bs = G.GemvBlockSizes(bn, bd, warps, stages, split, mma=not args.fma)
+                bs = G.GemvBlockSizes(bn, bd, warps, stages, split)
                 step = lambda x, w, bs=bs, fn=fn: fn(x, w, block_sizes=bs)  # noqa: E731
                 try:
                     t = time_calls(step, x, ws, max(floor, 3e-6), target_s, reps)
@@ -280,9 +268,6 @@ def main():
     )
     parser.add_argument(
         "--deep", action="store_true", help="with --sweep: the deep-pipeline candidates"
-    )
-    parser.add_argument(
-        "--fma", action="store_true", help="with --sweep: CUDA-core (mma=False) candidates"
     )
     args = parser.parse_args()
     args.commit = _commit()

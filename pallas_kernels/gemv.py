@@ -106,9 +106,6 @@ class GemvBlockSizes:
       num_stages: depth of Triton's software pipeline over the D loop (loads in flight).
       split_d: contiguous D ranges reduced by separate programs (1: no split); each range is a
         whole number of block_d slices.
-      mma: tensor-core products of a 16-row activation tile (block_n, block_d >= 16); False:
-        CUDA-core products, each of the M <= 8 rows of x multiplied into its own
-        [block_n, block_d] fp32 accumulator and reduced along D once, at the end (block_n >= 1).
     """
 
     block_n: int
@@ -116,13 +113,12 @@ class GemvBlockSizes:
     num_warps: int = 4
     num_stages: int = 4
     split_d: int = 1
-    mma: bool = True
 
     def __post_init__(self):
-        for name, least in (("block_n", 16 if self.mma else 1), ("block_d", 16)):
+        for name in ("block_n", "block_d"):
             v = getattr(self, name)
-            if v < least or v & (v - 1):
-                raise ValueError(f"GemvBlockSizes.{name}={v}: expected a power of two >= {least}")
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemvBlockSizes.{name}={v}: expected a power of two >= 16")
 
     @classmethod
     def default_for(cls, n: int, d: int, m: int = 1, dtype=jnp.bfloat16) -> GemvBlockSizes:
@@ -219,7 +215,7 @@ def _gemv_program(
     ragged_n = n % block_n != 0
     ragged_d = d % block_d != 0
 
-    def sweep_mma(x_ref, w_ref):
+    def sweep(x_ref, w_ref):
         def step(i, acc):
             k0 = pl.multiple_of((first + i) * block_d, block_d)
             x_mask, w_mask = x_rows, (w_rows if ragged_n else None)
@@ -246,50 +242,7 @@ def _gemv_program(
 
         return lax.fori_loop(0, steps, step, jnp.zeros((rows, block_n), jnp.float32))
 
-    def sweep_fma(x_ref, w_ref):
-        """CUDA-core products: row r of x times the weight tile, elementwise into row r's own
-        [block_n, block_d] accumulator; one reduction along D at the end. A row's chain of
-        operations is the same whatever M is."""
-
-        def step(i, accs):
-            k0 = pl.multiple_of((first + i) * block_d, block_d)
-            w_mask = w_rows if ragged_n else None
-            x_mask = None
-            if ragged_d:
-                w_cols = k0 + lax.broadcasted_iota(jnp.int32, (block_n, block_d), 1) < d
-                w_mask = w_cols if w_mask is None else w_mask & w_cols
-                x_mask = k0 + lax.broadcasted_iota(jnp.int32, (1, block_d), 1) < d
-            wt = plt.load(
-                w_ref.at[pl.ds(n0, block_n), pl.ds(k0, block_d)],
-                mask=w_mask,
-                other=None if w_mask is None else 0,
-                eviction_policy="evict_first",
-            )
-            wf = wt.astype(jnp.float32)
-            out = []
-            for r in range(m):
-                xr = plt.load(
-                    x_ref.at[pl.ds(r, 1), pl.ds(k0, block_d)],
-                    mask=x_mask,
-                    other=None if x_mask is None else 0,
-                )
-                out.append(accs[r] + wf * xr.astype(wt.dtype).astype(jnp.float32))
-            return tuple(out)
-
-        zero = jnp.zeros((block_n, block_d), jnp.float32)
-        accs = lax.fori_loop(0, steps, step, (zero,) * m)
-        return [jnp.sum(a, axis=1)[None, :] for a in accs]  # m x [1, block_n]
-
-    def store_fma(y_ref, accs, lo, hi):
-        y_cols = n0 + lax.broadcasted_iota(jnp.int32, (1, block_n), 1) < hi
-        for r, acc in enumerate(accs):
-            plt.store(
-                y_ref.at[split, pl.ds(r, 1), pl.ds(n0 - lo, block_n)],
-                acc.astype(y_ref.dtype),
-                mask=y_cols if ragged_n else None,
-            )
-
-    def store_mma(y_ref, acc, lo, hi):
+    def store(y_ref, acc, lo, hi):
         y_rows = lax.broadcasted_iota(jnp.int32, (rows, block_n), 0) < m
         y_cols = n0 + lax.broadcasted_iota(jnp.int32, (rows, block_n), 1) < hi
         plt.store(
@@ -297,8 +250,6 @@ def _gemv_program(
             acc.astype(y_ref.dtype),
             mask=y_rows & y_cols,
         )
-
-    sweep, store = (sweep_mma, store_mma) if bs.mma else (sweep_fma, store_fma)
 
     def group(g):
         acc = sweep(xs[g], ws[g])
@@ -439,10 +390,6 @@ def plan(
     n = ws[0].shape[0]
     bounds = _bounds(n, splits)
     bs = block_sizes or _largest_block_n(GemvBlockSizes.default_for(n, d, m, ws[0].dtype), bounds)
-    if not bs.mma and m > MAX_KERNEL_ROWS:
-        raise ValueError(
-            f"{what}: CUDA-core products (mma=False) serve M <= {MAX_KERNEL_ROWS} rows, got M = {m}"
-        )
     steps = common.cdiv(d, bs.block_d)
     if steps % bs.split_d:
         raise ValueError(f"split_d={bs.split_d} must divide the {steps} slices of D={d}")

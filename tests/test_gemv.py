@@ -202,47 +202,6 @@ def test_split_reduction_matches_reference_and_keeps_row_bits(rng, split_d):
         _exact_rows(got[i : i + 1], one, f"split row {i}")
 
 
-# The CUDA-core form (mma=False): (shape, tiling) pairs with ragged rows or slices on the CPU.
-FMA_CASES = (
-    [
-        (W_IN, G.GemvBlockSizes(4, 256, mma=False)),
-        (O_PROJ, G.GemvBlockSizes(4, 256, mma=False)),
-        (O_PROJ, G.GemvBlockSizes(8, 256, num_warps=2, split_d=2, mma=False)),
-        (F_B, G.GemvBlockSizes(8, 128, mma=False)),
-    ]
-    if ON_GPU
-    else [
-        ((100, 96), G.GemvBlockSizes(4, 32, mma=False)),
-        ((37, 176), G.GemvBlockSizes(8, 64, mma=False)),
-        ((40, 256), G.GemvBlockSizes(2, 64, num_warps=2, split_d=2, mma=False)),
-    ]
-)
-
-
-@pytest.mark.parametrize("case", range(len(FMA_CASES)))
-@pytest.mark.parametrize("w_dtype", [BF16, F32])
-def test_fma_products_match_reference_and_keep_row_bits(rng, case, w_dtype):
-    """CUDA-core products: the reference's result, and each of 8 rows with the bits of the
-    one-row call (what decode_k needs), segments included."""
-    (n, d), bs = FMA_CASES[case]
-    x, w = _inputs(rng, n, d, 8, F32, w_dtype)
-    got = jax.jit(lambda x, w: G.gemv_batchm(x, w, out_dtype=F32, block_sizes=bs))(x, w)
-    assert_close(got, ref.gemv_reference(x, w, out_dtype=F32), FP32_TOL, f"fma {bs}")
-    one = jax.jit(lambda x, w: G.gemv(x, w, out_dtype=F32, block_sizes=bs))
-    for i in range(8):
-        _exact_rows(got[i : i + 1], one(x[i : i + 1], w), f"fma row {i}, {bs}")
-    parts = G.gemv(x[:1], w, out_dtype=F32, block_sizes=bs, splits=(16, n - 16))
-    _exact_rows(jnp.concatenate(parts, axis=1), one(x[:1], w), f"fma segments, {bs}")
-
-
-def test_fma_refuses_many_rows():
-    bs = G.GemvBlockSizes(4, 32, mma=False)
-    with pytest.raises(ValueError, match="serve M <= 8 rows, got M = 9"):
-        G.gemv_batchm(jnp.zeros((9, 64)), jnp.zeros((16, 64), BF16), block_sizes=bs)
-    with pytest.raises(ValueError, match="block_n=8: expected a power of two >= 16"):
-        G.GemvBlockSizes(8, 32)
-
-
 def test_default_splits_o_proj_only():
     assert G.GemvBlockSizes.default_for(*O_PROJ).split_d > 1
     assert G.GemvBlockSizes.default_for(*W_IN).split_d == 1
