@@ -5,17 +5,21 @@
 
 Channels are viewed as `C/K` head groups of `K = head_dim` lanes (`c = group*K + d`, a free
 reshape), and a program owns `block_heads` whole groups, so the L2 reduction never leaves it.
-Groups `< qk_channels / K` are q or k heads; a tile may straddle the q|k|v boundaries. Rows walk
-in order inside the kernel with the W-1 previous raw inputs carried in registers; every row, in
-decode and prefill alike, goes through `_conv_row`, the one place the arithmetic order is fixed,
-so R rows of one `conv_decode` call give the bits of R serial 1-row calls.
+Groups `< qk_channels / K` are q or k heads; a tile may straddle the q|k|v boundaries. A row's
+output depends on the last W raw inputs only, so conv_decode gives each (sequence, channel tile,
+row) a program of its own (the R rows of a verify run side by side), and conv_prefill walks a
+tile's rows in order with the W-1 previous raw inputs carried in registers. Every row, in decode
+and prefill alike, goes through `_conv_row`, the one place the arithmetic order is fixed, so R
+rows of one `conv_decode` call give the bits of R serial 1-row calls.
 
 conv_decode and conv_prefill can hand their output back as separate channel ranges (`splits`:
 q, k, v, each written by the programs whose tiles fall in it, so the block never copies slices
-of it), and conv_decode writes the new conv state over the old one (`input_output_aliases`:
+of it). One-row conv_decode writes the new conv state over the old one (`input_output_aliases`:
 each program reads its tile of the state, passes a barrier, then writes the same tile), which
-spares a decode loop the copy of its carried state; the per-row states a verify keeps are a
-separate output (`snapshots`), so the new state is never a slice copied out of them.
+spares a decode loop the copy of its carried state; with R rows the last row's programs write
+it into a buffer of its own, since the other rows' programs read the old state at the same
+time. The per-row states a verify keeps are a separate output (`snapshots`), so the new state
+is never a slice copied out of them.
 conv_decode's launch is laid out once as a `DecodePlan` (`plan_decode`), which its own call runs
 and which `front.decode_front` runs beside the f_b | g_b sweep's programs.
 
@@ -95,35 +99,52 @@ def _qk_mask(block_heads: int, qk_groups: int, j):
 
 
 def _conv_decode_program(
-    x_ref, state_ref, *refs, j, rows, width, qk_groups, l2_eps, tiles, snapshots
+    x_ref, state_ref, *refs, j, row, rows, width, qk_groups, l2_eps, tiles, snapshots
 ):
-    """Channel tile j (a traced scalar read outside any `pl.when`) of one sequence.
+    """Row `row` of channel tile j of one sequence (j, row: traced scalars read outside any
+    `pl.when`). A row's output and the state after it depend on the inputs only (the last W
+    raw rows), never on another row's output, so every row is a program of its own.
     x_ref: [R, HB, K]; state_ref: [W-1, HB, K]; refs: W tap refs [HB, K], then one out ref
-    [R, HB, K] per output segment, new_state_ref [W-1, HB, K] (state_ref's memory), and with
-    `snapshots` states_ref [R, W-1, HB, K]. `tiles`: the first channel tile of each segment and
-    the end (this program's segment is where its tile falls; the other segments' refs point at
-    a clamped tile and are not written). A barrier orders every thread's loads of the old state
-    before any thread's stores of the new one (a store's thread need not be the one that loaded
-    that element)."""
+    [R, HB, K] per output segment, new_state_ref [W-1, HB, K], and with `snapshots` states_ref
+    [R, W-1, HB, K]. `tiles`: the first channel tile of each segment and the end (this program's
+    segment is where its tile falls; the other segments' refs point at a clamped tile and are
+    not written). The program of the last row writes the new state: over the old one when
+    R == 1 (state_ref's memory; a barrier orders every thread's loads of it before any
+    thread's stores, as a store's thread need not be the one that loaded that element), into a
+    buffer of its own when R > 1 (other rows' programs read the old state)."""
     states_ref = refs[-1] if snapshots else None
     refs = refs[:-1] if snapshots else refs
     tap_refs, out_refs, new_state_ref = refs[:width], refs[width:-1], refs[-1]
     taps = [r[...].astype(f32) for r in tap_refs]
     qk_mask = _qk_mask(x_ref.shape[1], qk_groups, j)
-    window = [state_ref[i].astype(f32) for i in range(width - 1)]
-    # Every row is loaded before the first store: a load after a store waits for it (the refs
-    # cannot be told apart), which made R rows R memory round trips.
-    x_rows = [x_ref[r].astype(f32) for r in range(rows)]
-    for r, x_row in enumerate(x_rows):
-        y = _conv_row(window, x_row, taps, qk_mask, l2_eps)
-        _store_segment(out_refs, tiles, j, r, y)
-        window = window[1:] + [x_row]
-        if snapshots:
-            for i in range(width - 1):
-                states_ref[r, i] = window[i]
+
+    def raw(pos):
+        """The raw input at row position pos (row - W + 1 .. row; below 0: the carried state),
+        [HB, K] fp32; both loads are in bounds and the select copies one of them exactly."""
+        if rows == 1:
+            return x_ref[0].astype(f32) if pos == 0 else state_ref[width - 1 + pos].astype(f32)
+        from_x = x_ref[jnp.maximum(pos, 0)].astype(f32)
+        from_state = state_ref[jnp.clip(width - 1 + pos, 0, width - 2)].astype(f32)
+        return jnp.where(pos >= 0, from_x, from_state)
+
+    start = 0 if rows == 1 else row  # static positions for one row
+    inputs = [raw(start - (width - 1) + i) for i in range(width)]  # oldest first, then the row
+    y = _conv_row(inputs[:-1], inputs[-1], taps, qk_mask, l2_eps)
+    _store_segment(out_refs, tiles, j, row, y)
+    after = inputs[1:]  # the state after this row
+    if snapshots:
+        for i in range(width - 1):
+            states_ref[row, i] = after[i]
     common.barrier()
-    for i in range(width - 1):
-        new_state_ref[i] = window[i]
+
+    def store_state():
+        for i in range(width - 1):
+            new_state_ref[i] = after[i]
+
+    if rows == 1:
+        store_state()
+    else:
+        pl.when(row == rows - 1)(store_state)
 
 
 def _store_segment(out_refs, tiles, j, row, y):
@@ -218,17 +239,35 @@ class DecodePlan:
         return self.kernel_kw["tiles"][-1]
 
     @property
+    def rows(self) -> int:
+        return self.shape[1]
+
+    @property
     def programs(self) -> int:
-        return self.shape[0] * self.tiles
+        """One per (sequence, channel tile, row)."""
+        return self.shape[0] * self.tiles * self.rows
 
     @property
     def state_output(self) -> int:
-        """Index of the new state among the outputs (aliased to input 1, the old state)."""
+        """Index of the new state among the outputs."""
         return len(self.kernel_kw["tiles"]) - 1
 
-    def program(self, refs, j) -> None:
-        """Channel tile j of the sequence the BlockSpecs picked; refs: inputs', then outputs'."""
-        _conv_decode_program(*refs, j=j, **self.kernel_kw)
+    @property
+    def aliases(self) -> dict[int, int]:
+        """input_output_aliases: one row writes the new state over the old (input 1); R rows
+        write it into a buffer of its own (the other rows' programs still read the old)."""
+        return {1: self.state_output} if self.rows == 1 else {}
+
+    def flat_ids(self, p):
+        """Program p of a 1-D grid -> (sequence, channel tile, row); programs at or past
+        `programs` get the last one's (they see its blocks and must not run `program`)."""
+        p = jnp.minimum(p, self.programs - 1)
+        return p // (self.tiles * self.rows), (p // self.rows) % self.tiles, p % self.rows
+
+    def program(self, refs, j, row) -> None:
+        """Row `row` of channel tile j of the sequence the BlockSpecs picked; refs: inputs',
+        then outputs'."""
+        _conv_decode_program(*refs, j=j, row=row, **self.kernel_kw)
 
     def finish(self, res):
         """The launch's outputs -> (out or its segments, new_state, states | None)."""
@@ -253,10 +292,10 @@ def plan_decode(
     block_sizes: ConvBlockSizes | None = None,
     flat: bool = False,
 ) -> DecodePlan:
-    """Validates conv_decode's arguments and lays out its launch: for a grid (B, tiles), or
-    with `flat` for a 1-D grid whose first B * tiles programs are the conv's (program p is
-    sequence p // tiles, tile p % tiles; later programs see the last tile's blocks and must not
-    run `program`)."""
+    """Validates conv_decode's arguments and lays out its launch: for a grid (B, tiles, R), or
+    with `flat` for a 1-D grid whose first B * tiles * R programs are the conv's
+    (`DecodePlan.flat_ids`; later programs see the last one's blocks and must not run
+    `program`)."""
     _check(x, conv_state, w, qk_channels, head_dim, "conv_decode")
     b, r, c = x.shape
     width, k = w.shape[1], head_dim
@@ -268,9 +307,13 @@ def plan_decode(
     widths, tiles = _segments(splits, c, hb * k, "conv_decode")
     n_tiles = groups // hb
     if flat:
-        ids = lambda p: divmod(jnp.minimum(p, b * n_tiles - 1), n_tiles)  # noqa: E731
+
+        def ids(p):
+            p = jnp.minimum(p, b * n_tiles * r - 1)  # as DecodePlan.flat_ids
+            return p // (n_tiles * r), (p // r) % n_tiles
+
     else:
-        ids = lambda i, j: (i, j)  # noqa: E731
+        ids = lambda i, j, row: (i, j)  # noqa: E731
     at = lambda index: lambda *g: index(*ids(*g))  # noqa: E731
     state_spec = pl.BlockSpec((None, width - 1, hb, k), at(lambda i, j: (i, 0, j, 0)))
     snap_shapes, snap_specs = [], []
@@ -345,8 +388,8 @@ def conv_decode(
     Returns:
       out: [B, R, C] fp32, SiLU(conv) with q and k L2-normalised per head; with `splits`, a
         tuple of [B, R, c_s].
-      new_state: [B, W-1, C] fp32, the conv state after the last row, written over conv_state's
-        memory when the caller donates it.
+      new_state: [B, W-1, C] fp32, the conv state after the last row; for R == 1 written over
+        conv_state's memory when the caller donates it.
       states: [B, R, W-1, C] fp32, the conv state after each row, or None without `snapshots`.
     """
     cp = plan_decode(
@@ -362,16 +405,16 @@ def conv_decode(
     )
 
     def kernel(*refs):
-        cp.program(refs, pl.program_id(1))
+        cp.program(refs, pl.program_id(1), pl.program_id(2))
 
     res = pl.pallas_call(
         kernel,
         out_shape=cp.out_shape,
-        grid=(x.shape[0], cp.tiles),
+        grid=(x.shape[0], cp.tiles, cp.rows),
         in_specs=cp.in_specs,
         out_specs=cp.out_specs,
         compiler_params=plt.CompilerParams(num_warps=cp.num_warps, num_stages=1),
-        input_output_aliases={1: cp.state_output},
+        input_output_aliases=cp.aliases,
         name="kda_conv_decode",
         interpret=common.interpret(),
     )(*cp.inputs)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import ON_GPU, TOL, assert_close, lower_for_h200, normal
 
-from pallas_kernels.conv import ConvBlockSizes, conv_decode, conv_prefill
+from pallas_kernels.conv import ConvBlockSizes, conv_decode, conv_prefill, plan_decode
 from pallas_kernels.reference import conv_decode_reference, conv_prefill_reference
 
 # C = 3*H*K: 288 channels (9 head groups, not a power of two) on the CPU, Kimi-Linear on a GPU.
@@ -61,6 +61,17 @@ def test_conv_decode_rows_equal_serial_bits(rng):
         out_r, state, _ = step(x[:, r : r + 1], state, w)
         np.testing.assert_array_equal(out[:, r], out_r[:, 0])
         np.testing.assert_array_equal(states[:, r], state)
+
+
+def test_conv_decode_state_in_place_for_one_row_only(rng):
+    """One row: the new state is written over the old (a decode loop carries it without a copy);
+    R rows: into a buffer of its own, since every row's program reads the old state; one
+    program per (sequence, channel tile, row) either way."""
+    state, w = normal(rng, (B, W - 1, C)), _taps(rng)
+    for rows, aliases in ((1, {1: 1}), (3, {})):
+        plan = plan_decode(jnp.zeros((B, rows, C), jnp.bfloat16), state, w, **KW)
+        assert plan.aliases == aliases, (rows, plan.aliases)
+        assert plan.programs == B * plan.tiles * rows
 
 
 @pytest.mark.parametrize("batch,rows", [(1, 1), (B, 3)])
