@@ -6,20 +6,20 @@
 Channels are viewed as `C/K` head groups of `K = head_dim` lanes (`c = group*K + d`, a free
 reshape), and a program owns `block_heads` whole groups, so the L2 reduction never leaves it.
 Groups `< qk_channels / K` are q or k heads; a tile may straddle the q|k|v boundaries. A row's
-output depends on the last W raw inputs only, so conv_decode gives each (sequence, channel tile,
-row) a program of its own (the R rows of a verify run side by side), and conv_prefill walks a
-tile's rows in order with the W-1 previous raw inputs carried in registers. Every row, in decode
+output depends on the last W raw inputs only: conv_decode gives every W-1 rows of a verify a
+program of their own per (sequence, channel tile), the first of which alone reads the carried
+state; conv_prefill walks a tile's rows in order, carrying the W-1 previous raw inputs in
+registers. Every row, in decode
 and prefill alike, goes through `_conv_row`, the one place the arithmetic order is fixed, so R
 rows of one `conv_decode` call give the bits of R serial 1-row calls.
 
 conv_decode and conv_prefill can hand their output back as separate channel ranges (`splits`:
 q, k, v, each written by the programs whose tiles fall in it, so the block never copies slices
-of it). One-row conv_decode writes the new conv state over the old one (`input_output_aliases`:
-each program reads its tile of the state, passes a barrier, then writes the same tile), which
-spares a decode loop the copy of its carried state; with R rows the last row's programs write
-it into a buffer of its own, since the other rows' programs read the old state at the same
-time. The per-row states a verify keeps are a separate output (`snapshots`), so the new state
-is never a slice copied out of them.
+of it). conv_decode writes the new conv state over the old one (`input_output_aliases`: only the
+program of the first W-1 rows reads its tile of the old state; it passes a barrier, then writes
+the same tile), which spares a decode or verify loop the copy of its carried state; the per-row
+states a verify keeps are a separate output (`snapshots`), so the new state is never a slice
+copied out of them.
 conv_decode's launch is laid out once as a `DecodePlan` (`plan_decode`), which its own call runs
 and which `front.decode_front` runs beside the f_b | g_b sweep's programs.
 
@@ -99,52 +99,69 @@ def _qk_mask(block_heads: int, qk_groups: int, j):
 
 
 def _conv_decode_program(
-    x_ref, state_ref, *refs, j, row, rows, width, qk_groups, l2_eps, tiles, snapshots
+    x_ref, state_ref, *refs, j, slot, rows, width, qk_groups, l2_eps, tiles, snapshots
 ):
-    """Row `row` of channel tile j of one sequence (j, row: traced scalars read outside any
-    `pl.when`). A row's output and the state after it depend on the inputs only (the last W
-    raw rows), never on another row's output, so every row is a program of its own.
+    """Rows slot*G .. slot*G + G-1 (G = min(R, W-1)) of channel tile j of one sequence (j, slot:
+    traced scalars read outside any `pl.when`). A row's output and the state after it depend on
+    the last W raw inputs only, never on another row's output, so a verify's rows run in
+    programs of G rows side by side. Only slot 0's rows read the carried state; slot 0 then
+    writes the new state over the old one, which no other program needs (their inputs are all
+    rows of x: where a select could pick the state, it is never picked).
     x_ref: [R, HB, K]; state_ref: [W-1, HB, K]; refs: W tap refs [HB, K], then one out ref
-    [R, HB, K] per output segment, new_state_ref [W-1, HB, K], and with `snapshots` states_ref
-    [R, W-1, HB, K]. `tiles`: the first channel tile of each segment and the end (this program's
-    segment is where its tile falls; the other segments' refs point at a clamped tile and are
-    not written). The program of the last row writes the new state: over the old one when
-    R == 1 (state_ref's memory; a barrier orders every thread's loads of it before any
-    thread's stores, as a store's thread need not be the one that loaded that element), into a
-    buffer of its own when R > 1 (other rows' programs read the old state)."""
+    [R, HB, K] per output segment, new_state_ref [W-1, HB, K] (state_ref's memory), and with
+    `snapshots` states_ref [R, W-1, HB, K]. `tiles`: the first channel tile of each segment and
+    the end (this program's segment is where its tile falls; the other segments' refs point at
+    a clamped tile and are not written). A barrier orders every thread's loads of the old state
+    before any thread's stores of the new one (a store's thread need not be the one that loaded
+    that element)."""
     states_ref = refs[-1] if snapshots else None
     refs = refs[:-1] if snapshots else refs
     tap_refs, out_refs, new_state_ref = refs[:width], refs[width:-1], refs[-1]
     taps = [r[...].astype(f32) for r in tap_refs]
     qk_mask = _qk_mask(x_ref.shape[1], qk_groups, j)
+    size = min(rows, width - 1)
+    one = rows == size  # a single program per tile: static row positions
 
-    def raw(pos):
-        """The raw input at row position pos (row - W + 1 .. row; below 0: the carried state),
-        [HB, K] fp32; both loads are in bounds and the select copies one of them exactly."""
-        if rows == 1:
-            return x_ref[0].astype(f32) if pos == 0 else state_ref[width - 1 + pos].astype(f32)
-        from_x = x_ref[jnp.maximum(pos, 0)].astype(f32)
-        from_state = state_ref[jnp.clip(width - 1 + pos, 0, width - 2)].astype(f32)
-        return jnp.where(pos >= 0, from_x, from_state)
+    def raw(q):
+        """The raw input at row position q (below 0: the carried state), [HB, K] fp32."""
+        if one or isinstance(q, int):
+            return x_ref[q].astype(f32) if q >= 0 else state_ref[width - 1 + q].astype(f32)
+        # Both loads are in bounds; the select copies one of them exactly.
+        from_x = x_ref[jnp.clip(q, 0, rows - 1)].astype(f32)
+        from_state = state_ref[jnp.clip(width - 1 + q, 0, width - 2)].astype(f32)
+        return jnp.where(q >= 0, from_x, from_state)
 
-    start = 0 if rows == 1 else row  # static positions for one row
-    inputs = [raw(start - (width - 1) + i) for i in range(width)]  # oldest first, then the row
-    y = _conv_row(inputs[:-1], inputs[-1], taps, qk_mask, l2_eps)
-    _store_segment(out_refs, tiles, j, row, y)
-    after = inputs[1:]  # the state after this row
-    if snapshots:
-        for i in range(width - 1):
-            states_ref[row, i] = after[i]
+    # Every load before the first store: a load after a store waits for it (the refs cannot be
+    # told apart), which made R rows R memory round trips.
+    base = 0 if one else slot * size
+    inputs = [raw(base - (width - 1) + i) for i in range(size + width - 1)]
+    # The state after the last row: the raw inputs at rows R-W+1 .. R-1.
+    last = [raw(q) for q in range(rows - width + 1, rows)]
+    for i in range(size):
+        window, x_row = inputs[i : i + width - 1], inputs[i + width - 1]
+        y = _conv_row(window, x_row, taps, qk_mask, l2_eps)
+        after = inputs[i + 1 : i + width]
+
+        def store(r=base + i, y=y, after=after):
+            _store_segment(out_refs, tiles, j, r, y)
+            if snapshots:
+                for t in range(width - 1):
+                    states_ref[r, t] = after[t]
+
+        if one:
+            store()
+        else:  # the last program's rows may run past R
+            pl.when(base + i < rows)(store)
     common.barrier()
 
     def store_state():
-        for i in range(width - 1):
-            new_state_ref[i] = after[i]
+        for t in range(width - 1):
+            new_state_ref[t] = last[t]
 
-    if rows == 1:
+    if one:
         store_state()
     else:
-        pl.when(row == rows - 1)(store_state)
+        pl.when(slot == 0)(store_state)
 
 
 def _store_segment(out_refs, tiles, j, row, y):
@@ -239,35 +256,30 @@ class DecodePlan:
         return self.kernel_kw["tiles"][-1]
 
     @property
-    def rows(self) -> int:
-        return self.shape[1]
+    def slots(self) -> int:
+        """Programs per (sequence, channel tile): one per W-1 rows."""
+        rows, width = self.shape[1], self.shape[3]
+        return common.cdiv(rows, min(rows, width - 1))
 
     @property
     def programs(self) -> int:
-        """One per (sequence, channel tile, row)."""
-        return self.shape[0] * self.tiles * self.rows
+        return self.shape[0] * self.tiles * self.slots
 
     @property
     def state_output(self) -> int:
-        """Index of the new state among the outputs."""
+        """Index of the new state among the outputs (aliased to input 1, the old state)."""
         return len(self.kernel_kw["tiles"]) - 1
 
-    @property
-    def aliases(self) -> dict[int, int]:
-        """input_output_aliases: one row writes the new state over the old (input 1); R rows
-        write it into a buffer of its own (the other rows' programs still read the old)."""
-        return {1: self.state_output} if self.rows == 1 else {}
-
     def flat_ids(self, p):
-        """Program p of a 1-D grid -> (sequence, channel tile, row); programs at or past
+        """Program p of a 1-D grid -> (sequence, channel tile, slot); programs at or past
         `programs` get the last one's (they see its blocks and must not run `program`)."""
         p = jnp.minimum(p, self.programs - 1)
-        return p // (self.tiles * self.rows), (p // self.rows) % self.tiles, p % self.rows
+        return p // (self.tiles * self.slots), (p // self.slots) % self.tiles, p % self.slots
 
-    def program(self, refs, j, row) -> None:
-        """Row `row` of channel tile j of the sequence the BlockSpecs picked; refs: inputs',
+    def program(self, refs, j, slot) -> None:
+        """Slot `slot` of channel tile j of the sequence the BlockSpecs picked; refs: inputs',
         then outputs'."""
-        _conv_decode_program(*refs, j=j, row=row, **self.kernel_kw)
+        _conv_decode_program(*refs, j=j, slot=slot, **self.kernel_kw)
 
     def finish(self, res):
         """The launch's outputs -> (out or its segments, new_state, states | None)."""
@@ -292,8 +304,8 @@ def plan_decode(
     block_sizes: ConvBlockSizes | None = None,
     flat: bool = False,
 ) -> DecodePlan:
-    """Validates conv_decode's arguments and lays out its launch: for a grid (B, tiles, R), or
-    with `flat` for a 1-D grid whose first B * tiles * R programs are the conv's
+    """Validates conv_decode's arguments and lays out its launch: for a grid (B, tiles, slots),
+    or with `flat` for a 1-D grid whose first B * tiles * slots programs are the conv's
     (`DecodePlan.flat_ids`; later programs see the last one's blocks and must not run
     `program`)."""
     _check(x, conv_state, w, qk_channels, head_dim, "conv_decode")
@@ -307,13 +319,14 @@ def plan_decode(
     widths, tiles = _segments(splits, c, hb * k, "conv_decode")
     n_tiles = groups // hb
     if flat:
+        slots = common.cdiv(r, min(r, width - 1))  # as DecodePlan.slots and flat_ids
 
         def ids(p):
-            p = jnp.minimum(p, b * n_tiles * r - 1)  # as DecodePlan.flat_ids
-            return p // (n_tiles * r), (p // r) % n_tiles
+            p = jnp.minimum(p, b * n_tiles * slots - 1)
+            return p // (n_tiles * slots), (p // slots) % n_tiles
 
     else:
-        ids = lambda i, j, row: (i, j)  # noqa: E731
+        ids = lambda i, j, slot: (i, j)  # noqa: E731
     at = lambda index: lambda *g: index(*ids(*g))  # noqa: E731
     state_spec = pl.BlockSpec((None, width - 1, hb, k), at(lambda i, j: (i, 0, j, 0)))
     snap_shapes, snap_specs = [], []
@@ -388,8 +401,8 @@ def conv_decode(
     Returns:
       out: [B, R, C] fp32, SiLU(conv) with q and k L2-normalised per head; with `splits`, a
         tuple of [B, R, c_s].
-      new_state: [B, W-1, C] fp32, the conv state after the last row; for R == 1 written over
-        conv_state's memory when the caller donates it.
+      new_state: [B, W-1, C] fp32, the conv state after the last row, written over conv_state's
+        memory when the caller donates it.
       states: [B, R, W-1, C] fp32, the conv state after each row, or None without `snapshots`.
     """
     cp = plan_decode(
@@ -410,11 +423,11 @@ def conv_decode(
     res = pl.pallas_call(
         kernel,
         out_shape=cp.out_shape,
-        grid=(x.shape[0], cp.tiles, cp.rows),
+        grid=(x.shape[0], cp.tiles, cp.slots),
         in_specs=cp.in_specs,
         out_specs=cp.out_specs,
         compiler_params=plt.CompilerParams(num_warps=cp.num_warps, num_stages=1),
-        input_output_aliases=cp.aliases,
+        input_output_aliases={1: cp.state_output},
         name="kda_conv_decode",
         interpret=common.interpret(),
     )(*cp.inputs)

@@ -42,8 +42,8 @@ def decode_front(
 
     Args:
       x, conv_state, w, qk_channels, head_dim, l2_eps, splits, snapshots: as `conv.conv_decode`
-        (x [B, R, C] raw q|k|v rows, conv_state [B, W-1, C] fp32, written over in place for
-        R == 1 when the caller donates it).
+        (x [B, R, C] raw q|k|v rows, conv_state [B, W-1, C] fp32 written over in place when
+        the caller donates it).
       xs, ws: as `gemv.proj_many`: activations [M, D] (1 <= M <= 64) and weights [N, D] of one
         shape each (the block's f_a, g_a and f_b, g_b).
       out_dtype: dtype of the projections (default: the weights').
@@ -79,10 +79,10 @@ def decode_front(
         conv_refs, sweep_refs = (*ins[:n_in], *outs[:n_out]), (*ins[n_in:], *outs[n_out:])
         # Ids are read here: interpret mode cannot see program_id inside pl.when.
         p = pl.program_id(0)
-        _, j, row = cp.flat_ids(p)
+        _, j, slot = cp.flat_ids(p)
         q = jnp.maximum(p - n_conv, 0)
         ids = (q // (split_d * groups), (q // groups) % split_d, q % groups)
-        pl.when(p < n_conv)(lambda: cp.program(conv_refs, j, row))
+        pl.when(p < n_conv)(lambda: cp.program(conv_refs, j, slot))
         pl.when(p >= n_conv)(lambda: sp.program(sweep_refs, ids))
 
     res = pl.pallas_call(
@@ -92,7 +92,7 @@ def decode_front(
         in_specs=(*cp.in_specs, *([whole] * len(sp.inputs))),
         out_specs=(*cp.out_specs, *([whole] * len(sp.out_shape))),
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=sp.block_sizes.num_stages),
-        input_output_aliases=cp.aliases,
+        input_output_aliases={1: cp.state_output},
         name="kda_decode_front",
         interpret=common.interpret(),
     )(*cp.inputs, *sp.inputs)

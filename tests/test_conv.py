@@ -24,7 +24,7 @@ def _taps(key):
     return w.at[:, -1].add(1.0)
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 6])  # 6 > W - 1: rows with programs of their own
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_conv_decode_matches_reference(rng, rows, dtype):
     kx, ks, kw = jax.random.split(rng, 3)
@@ -50,28 +50,27 @@ def test_conv_decode_matches_reference(rng, rows, dtype):
 
 
 def test_conv_decode_rows_equal_serial_bits(rng):
-    """Row r of a 3-row call == the 1-row call fed the state after row r-1, bit for bit."""
+    """Row r of a 6-row call == the 1-row call fed the state after row r-1, bit for bit (the
+    first W-1 rows walked in one program, the others one program each)."""
     kx, ks, kw = jax.random.split(rng, 3)
-    x = normal(kx, (B, 3, C), jnp.bfloat16)
+    x = normal(kx, (B, 6, C), jnp.bfloat16)
     state = normal(ks, (B, W - 1, C))
     w = _taps(kw)
-    out, _, states = jax.jit(lambda *a: conv_decode(*a, **KW, snapshots=True))(x, state, w)
+    out, new, states = jax.jit(lambda *a: conv_decode(*a, **KW, snapshots=True))(x, state, w)
     step = jax.jit(lambda *a: conv_decode(*a, **KW))
-    for r in range(3):
+    for r in range(6):
         out_r, state, _ = step(x[:, r : r + 1], state, w)
         np.testing.assert_array_equal(out[:, r], out_r[:, 0])
         np.testing.assert_array_equal(states[:, r], state)
+    np.testing.assert_array_equal(new, state)
 
 
-def test_conv_decode_state_in_place_for_one_row_only(rng):
-    """One row: the new state is written over the old (a decode loop carries it without a copy);
-    R rows: into a buffer of its own, since every row's program reads the old state; one
-    program per (sequence, channel tile, row) either way."""
+def test_conv_decode_programs_per_tile(rng):
+    """One program per W-1 rows (the first of them alone reads the carried state)."""
     state, w = normal(rng, (B, W - 1, C)), _taps(rng)
-    for rows, aliases in ((1, {1: 1}), (3, {})):
+    for rows, slots in ((1, 1), (W - 1, 1), (W, 2), (8, -(-8 // (W - 1)))):
         plan = plan_decode(jnp.zeros((B, rows, C), jnp.bfloat16), state, w, **KW)
-        assert plan.aliases == aliases, (rows, plan.aliases)
-        assert plan.programs == B * plan.tiles * rows
+        assert plan.slots == slots and plan.programs == B * plan.tiles * slots, (rows, plan.slots)
 
 
 @pytest.mark.parametrize("batch,rows", [(1, 1), (B, 3)])
