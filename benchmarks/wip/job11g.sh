@@ -7,7 +7,7 @@ set -uo pipefail
 export KDA_COMMIT
 source scripts/gpu_common.sh
 T="python3 -m pytest -q -p no:cacheprovider -p no:warnings -rfE"
-run "$base" tests_groups 110 $T tests/test_conv.py tests/test_front.py tests/test_forward_pallas.py -k "decode or front or conv"
+run "$base" tests_groups 120 $T tests/test_conv.py tests/test_front.py tests/test_forward_pallas.py -k "decode or front"
 run "$base" prof_groups 50 python3 benchmarks/decode_profile.py --cases decode:1,decode_k:8 --out "$OUT/prof_groups.json"
 (cd "$OUT" && tar czf all.tgz ./*.log ./*.json 2>/dev/null)
 run "$base" bench_decode 130 python3 benchmarks/bench_decode.py --quick --out "$OUT/bench_decode.json"
