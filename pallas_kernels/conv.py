@@ -9,9 +9,9 @@ Groups `< qk_channels / K` are q or k heads; a tile may straddle the q|k|v bound
 output depends on the last W raw inputs only: conv_decode gives every W-1 rows of a verify a
 program of their own per (sequence, channel tile), the first of which alone reads the carried
 state; conv_prefill walks a tile's rows in order, carrying the W-1 previous raw inputs in
-registers. Every row, in decode
-and prefill alike, goes through `_conv_row`, the one place the arithmetic order is fixed, so R
-rows of one `conv_decode` call give the bits of R serial 1-row calls.
+registers. Every row, in decode and prefill alike, goes through `_conv_row`, the one place the
+arithmetic order is fixed, so R rows of one `conv_decode` call give the bits of R serial 1-row
+calls.
 
 conv_decode and conv_prefill can hand their output back as separate channel ranges (`splits`:
 q, k, v, each written by the programs whose tiles fall in it, so the block never copies slices

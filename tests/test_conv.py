@@ -24,7 +24,7 @@ def _taps(key):
     return w.at[:, -1].add(1.0)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 6])  # 6 > W - 1: rows with programs of their own
+@pytest.mark.parametrize("rows", [1, 3, 6])  # 6 > W - 1: two programs per channel tile
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_conv_decode_matches_reference(rng, rows, dtype):
     kx, ks, kw = jax.random.split(rng, 3)
@@ -50,8 +50,9 @@ def test_conv_decode_matches_reference(rng, rows, dtype):
 
 
 def test_conv_decode_rows_equal_serial_bits(rng):
-    """Row r of a 6-row call == the 1-row call fed the state after row r-1, bit for bit (the
-    first W-1 rows walked in one program, the others one program each)."""
+    """Row r of a 6-row call == the 1-row call fed the state after row r-1, bit for bit (rows
+    0-2 in one program, which reads the carried state and writes the new one, rows 3-5 in
+    another)."""
     kx, ks, kw = jax.random.split(rng, 3)
     x = normal(kx, (B, 6, C), jnp.bfloat16)
     state = normal(ks, (B, W - 1, C))

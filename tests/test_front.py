@@ -45,7 +45,7 @@ def _inputs(key, rows):
     return x, state, w, xs, ws
 
 
-@pytest.mark.parametrize("rows", [1, 3, 6])  # 6: rows with conv programs of their own
+@pytest.mark.parametrize("rows", [1, 3, 6])  # 6: two conv programs per channel tile
 @pytest.mark.parametrize("snapshots", [False, True])
 def test_decode_front_matches_reference_and_the_kernels_apart(rng, rows, snapshots):
     x, state, w, xs, ws = _inputs(rng, rows)
