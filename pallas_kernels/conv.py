@@ -135,8 +135,9 @@ def _conv_decode_program(
     # told apart), which made R rows R memory round trips.
     base = 0 if one else slot * size
     inputs = [raw(base - (width - 1) + i) for i in range(size + width - 1)]
-    # The state after the last row: the raw inputs at rows R-W+1 .. R-1.
-    last = [raw(q) for q in range(rows - width + 1, rows)]
+    # The state after the last row: the raw inputs at rows R-W+1 .. R-1 (the tail of `inputs`
+    # when one program holds every row).
+    last = inputs[size:] if one else [raw(q) for q in range(rows - width + 1, rows)]
     for i in range(size):
         window, x_row = inputs[i : i + width - 1], inputs[i + width - 1]
         y = _conv_row(window, x_row, taps, qk_mask, l2_eps)
@@ -228,6 +229,17 @@ def _check(x, conv_state, w, qk_channels, head_dim, what):
         raise ValueError(f"{what}: conv width W={width} must be >= 2")
 
 
+def _slots(rows: int, width: int) -> int:
+    """conv_decode's programs per (sequence, channel tile): one per W-1 rows."""
+    return common.cdiv(rows, min(rows, width - 1))
+
+
+def _flat_ids(p, b: int, tiles: int, slots: int):
+    """Program p of a 1-D grid -> (sequence, channel tile, slot), clamped to the last program."""
+    p = jnp.minimum(p, b * tiles * slots - 1)
+    return p // (tiles * slots), (p // slots) % tiles, p % slots
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodePlan:
     """conv_decode laid out for a launch (`plan_decode`): `conv_decode` runs it alone;
@@ -258,8 +270,7 @@ class DecodePlan:
     @property
     def slots(self) -> int:
         """Programs per (sequence, channel tile): one per W-1 rows."""
-        rows, width = self.shape[1], self.shape[3]
-        return common.cdiv(rows, min(rows, width - 1))
+        return _slots(self.shape[1], self.shape[3])
 
     @property
     def programs(self) -> int:
@@ -273,8 +284,7 @@ class DecodePlan:
     def flat_ids(self, p):
         """Program p of a 1-D grid -> (sequence, channel tile, slot); programs at or past
         `programs` get the last one's (they see its blocks and must not run `program`)."""
-        p = jnp.minimum(p, self.programs - 1)
-        return p // (self.tiles * self.slots), (p // self.slots) % self.tiles, p % self.slots
+        return _flat_ids(p, self.shape[0], self.tiles, self.slots)
 
     def program(self, refs, j, slot) -> None:
         """Slot `slot` of channel tile j of the sequence the BlockSpecs picked; refs: inputs',
@@ -319,11 +329,7 @@ def plan_decode(
     widths, tiles = _segments(splits, c, hb * k, "conv_decode")
     n_tiles = groups // hb
     if flat:
-        slots = common.cdiv(r, min(r, width - 1))  # as DecodePlan.slots and flat_ids
-
-        def ids(p):
-            p = jnp.minimum(p, b * n_tiles * slots - 1)
-            return p // (n_tiles * slots), (p // slots) % n_tiles
+        ids = lambda p: _flat_ids(p, b, n_tiles, _slots(r, width))[:2]  # noqa: E731
 
     else:
         ids = lambda i, j, slot: (i, j)  # noqa: E731

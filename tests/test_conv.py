@@ -24,7 +24,7 @@ def _taps(key):
     return w.at[:, -1].add(1.0)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 6])  # 6 > W - 1: two programs per channel tile
+@pytest.mark.parametrize("rows", [1, 3, 7])  # 7: three programs per tile, the last one short
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_conv_decode_matches_reference(rng, rows, dtype):
     kx, ks, kw = jax.random.split(rng, 3)
@@ -50,16 +50,16 @@ def test_conv_decode_matches_reference(rng, rows, dtype):
 
 
 def test_conv_decode_rows_equal_serial_bits(rng):
-    """Row r of a 6-row call == the 1-row call fed the state after row r-1, bit for bit (rows
-    0-2 in one program, which reads the carried state and writes the new one, rows 3-5 in
-    another)."""
+    """Row r of a 7-row call == the 1-row call fed the state after row r-1, bit for bit (rows
+    0-2 in the program that reads the carried state and writes the new one, rows 3-5 in a
+    second, row 6 in a third whose other two rows run past R and are not stored)."""
     kx, ks, kw = jax.random.split(rng, 3)
-    x = normal(kx, (B, 6, C), jnp.bfloat16)
+    x = normal(kx, (B, 7, C), jnp.bfloat16)
     state = normal(ks, (B, W - 1, C))
     w = _taps(kw)
     out, new, states = jax.jit(lambda *a: conv_decode(*a, **KW, snapshots=True))(x, state, w)
     step = jax.jit(lambda *a: conv_decode(*a, **KW))
-    for r in range(6):
+    for r in range(7):
         out_r, state, _ = step(x[:, r : r + 1], state, w)
         np.testing.assert_array_equal(out[:, r], out_r[:, 0])
         np.testing.assert_array_equal(states[:, r], state)
@@ -67,9 +67,10 @@ def test_conv_decode_rows_equal_serial_bits(rng):
 
 
 def test_conv_decode_programs_per_tile(rng):
-    """One program per W-1 rows (the first of them alone reads the carried state)."""
+    """One program per W-1 = 3 rows (the first of them alone reads the carried state)."""
+    assert W == 4
     state, w = normal(rng, (B, W - 1, C)), _taps(rng)
-    for rows, slots in ((1, 1), (W - 1, 1), (W, 2), (8, -(-8 // (W - 1)))):
+    for rows, slots in ((1, 1), (2, 1), (3, 1), (4, 2), (7, 3), (8, 3)):
         plan = plan_decode(jnp.zeros((B, rows, C), jnp.bfloat16), state, w, **KW)
         assert plan.slots == slots and plan.programs == B * plan.tiles * slots, (rows, plan.slots)
 
