@@ -129,8 +129,6 @@ class PrepareBlockSizes:
     block_k: int = 32
     num_warps: int = 4
     num_stages: int = 2
-    decay_warps: int = 4
-    decay_block_k: int = 32
     diag_warps: int = 1
     wu_block_k: int = 64
     wu_warps: int = 4
@@ -140,11 +138,7 @@ class PrepareBlockSizes:
     def default_for(k: int, v: int) -> PrepareBlockSizes:
         """The defaults, with both kernels' slices no wider than K and V (powers of two >= 16)."""
         d = PrepareBlockSizes
-        return d(
-            block_k=min(d.block_k, k, v),
-            decay_block_k=min(d.decay_block_k, k),
-            wu_block_k=min(d.wu_block_k, k, v),
-        )
+        return d(block_k=min(d.block_k, k, v), wu_block_k=min(d.wu_block_k, k, v))
 
 
 def _rows_and_cols(n: int):
@@ -280,20 +274,7 @@ def _diag_pairwise_kernel(
         l_ref[pl.ds(t * rt, rt), :] = accs[nt + t]
 
 
-def _slice_loop(n_cols: int, block_k: int, body, carry):
-    """carry = body(cols, carry) for each column slice of `block_k`, as a loop (not unrolled: an
-    unrolled walk hoists every slice's loads and runs out of registers)."""
-    return lax.fori_loop(
-        0, n_cols // block_k, lambda s, x: body(pl.ds(s * block_k, block_k), x), carry
-    )
-
-
-def _masked_load(ref, rows, cols, ok):
-    """ref[rows, cols] in fp32, 0 where `ok` is false (pads and past T, whatever they hold)."""
-    return plt.load(ref.at[rows, cols], mask=ok, other=0.0).astype(f32)
-
-
-def _chunk_decay_kernel(
+def _chunk_prepare_kernel(
     len_ref,
     q_ref,
     k_ref,
@@ -301,203 +282,205 @@ def _chunk_decay_kernel(
     b_ref,
     ea_ref,
     dt_ref,
+    diag_a_ref,
+    diag_l_ref,
     qg_ref,
     kg_ref,
+    a_ref,
     gl_ref,
-    g_ref,
-    rs_ref,
+    l_scr_ref,
+    g_scr_ref,
     *,
     scale: float,
     lower_bound: float | None,
     l2_eps: float | None,
+    sub: int,
     block_k: int,
 ):
-    """Phase 1, one (sequence, chunk, head): the gate, its chunk-local cumsum G and what needs
-    only G and the row's own q, k.
+    """One (sequence, chunk, head).
 
-    len_ref: [Bp] int32; q_ref, k_ref, f_ref: [C, K]; b_ref: [C]; ea_ref (exp A_log broadcast
-    over K), dt_ref: [K]. Outputs: qg_ref, kg_ref: [C, K]; gl_ref: [1, K]; g_ref: [C, K] fp32,
-    G; rs_ref: [C, 4] fp32, the row scales the later kernels take: beta/||k||, beta, 1/||q||,
-    1/||k|| (the norms 1 when q, k come normalised; beta 0 at pads).
+    len_ref: [Bp] int32; q_ref, k_ref, f_ref: [C, K]; b_ref: [C]; ea_ref (exp A_log
+    broadcast over K), dt_ref: [K]; diag_a_ref, diag_l_ref: [C, sub] fp32, the diagonal blocks'
+    pairwise scores from `_diag_pairwise_kernel` (unbounded gate; unused otherwise).
+    Outputs: qg_ref, kg_ref: [C, K]; a_ref: [C, C]; gl_ref: [1, K]. Scratch outputs, private to
+    this program until `_chunk_wu_kernel` reads them (fp32): l_scr_ref [C, 2C] holds L then T
+    (columns C..2C) and, at the end, beta/||k|| and beta in columns 0 and 1; g_scr_ref [C, K]
+    holds G.
     """
     c, kd = q_ref.shape
+    nb, bk = c // sub, block_k
     seq, chunk_idx = pl.program_id(0), pl.program_id(1)
+    length = len_ref[seq]
     row = lax.broadcasted_iota(jnp.int32, (c, 1), 0)
-    valid = chunk_idx * c + row < len_ref[seq]  # [C, 1]
-    rows = pl.ds(0, c)
+    valid = chunk_idx * c + row < length  # [C, 1]
+    pairwise = _needs_pairwise(lower_bound, sub)
 
-    def inv_norm(ref):
+    def over_slices(n_cols, body, carry):
+        """carry = body(cols, carry) for each column slice, as a loop (not unrolled: an unrolled
+        walk hoists every slice's loads and runs out of registers)."""
+        return lax.fori_loop(0, n_cols // bk, lambda s, x: body(pl.ds(s * bk, bk), x), carry)
+
+    all_rows = pl.ds(0, c)
+
+    def load(ref, cols, rows=all_rows, ok=valid):
+        """[rows, bk] fp32, 0 at pads and past T (whatever the pads hold)."""
+        return plt.load(ref.at[rows, cols], mask=ok, other=0.0).astype(f32)
+
+    def inv_norm(ref, rows=all_rows, ok=valid):
         """1 / ||x|| per row (FLA's use_qk_l2norm_in_kernel), or 1 when q, k come normalised."""
         if l2_eps is None:
-            return jnp.ones((c, 1), f32)
-        sq = _slice_loop(
+            return 1.0
+        sq = over_slices(
             kd,
-            block_k,
             lambda cols, acc: (
-                acc + jnp.sum(jnp.square(_masked_load(ref, rows, cols, valid)), 1, keepdims=True)
+                acc + jnp.sum(jnp.square(load(ref, cols, rows, ok)), 1, keepdims=True)
             ),
-            jnp.zeros((c, 1), f32),
+            jnp.zeros((rows.size, 1), f32),
         )
         return lax.rsqrt(sq + l2_eps)
+
+    def decay(cols):
+        """Gate over a column slice (0 at pads) and its cumulative sum down the chunk's rows."""
+        ea = ea_ref[cols].astype(f32)[None, :]
+        dt = dt_ref[cols].astype(f32)[None, :]
+        g = jnp.where(valid, gate_math(load(f_ref, cols) + dt, ea, lower_bound), 0.0)
+        return jnp.cumsum(g, axis=0)
 
     rq, rk = inv_norm(q_ref), inv_norm(k_ref)
     beta = jnp.where(valid[:, 0], beta_math(plt.load(b_ref, mask=valid[:, 0], other=0.0)), 0.0)
     beta = beta[:, None]
 
+    # 1. G = chunk-local cumulative log-decay into the scratch, qg, kg and exp(G_last) out.
     def cumulative(cols, carry):
-        ea = ea_ref[cols].astype(f32)[None, :]
-        dt = dt_ref[cols].astype(f32)[None, :]
-        g = jnp.where(
-            valid, gate_math(_masked_load(f_ref, rows, cols, valid) + dt, ea, lower_bound), 0.0
-        )
-        big_g = jnp.cumsum(g, axis=0)
-        g_ref[:, cols] = big_g
-        q = _masked_load(q_ref, rows, cols, valid) * rq
-        k = _masked_load(k_ref, rows, cols, valid) * rk
+        big_g = decay(cols)
+        g_scr_ref[:, cols] = big_g
+        q, k = load(q_ref, cols) * rq, load(k_ref, cols) * rk
         g_last = jnp.sum(jnp.where(row == c - 1, big_g, 0.0), axis=0, keepdims=True)
         qg_ref[:, cols] = (scale * q * jnp.exp(big_g)).astype(qg_ref.dtype)
         kg_ref[:, cols] = (k * jnp.exp(g_last - big_g)).astype(kg_ref.dtype)
         gl_ref[:, cols] = jnp.exp(g_last)
         return carry
 
-    _slice_loop(kd, block_k, cumulative, 0)
-    for i, x in enumerate((beta * rk, beta, rq, rk)):
-        rs_ref[:, pl.ds(i, 1)] = x
+    over_slices(kd, cumulative, 0)
+    if l2_eps is not None:  # 1/||k|| for phase 2's key rows, in T's first column until phase 3
+        l_scr_ref[:, pl.ds(c, 1)] = rk * jnp.ones((c, 1), f32)
+    common.barrier()
 
-
-# Columns of the row-scale output `rs` of `_chunk_decay_kernel`.
-_RS_W, _RS_BETA, _RS_Q, _RS_K = range(4)
-
-
-def _chunk_scores_kernel(
-    len_ref,
-    q_ref,
-    k_ref,
-    g_ref,
-    rs_ref,
-    diag_a_ref,
-    diag_l_ref,
-    a_ref,
-    l_ref,
-    *,
-    scale: float,
-    lower_bound: float | None,
-    sub: int,
-    block_k: int,
-):
-    """Phase 2, one (sequence, chunk, head, sub-block): the sub-block's rows of A and L.
-
-    len_ref: [Bp] int32; q_ref, k_ref: [C, K] (the chunk); g_ref: [C, K] fp32 and rs_ref [C, 4]
-    from `_chunk_decay_kernel`; diag_a_ref, diag_l_ref: [C, sub] fp32, the diagonal blocks'
-    pairwise scores from `_diag_pairwise_kernel` (unbounded gate; unused otherwise).
-    Outputs: a_ref: [sub, C] (zeros above the diagonal); l_ref: [sub, C] fp32, L's rows up to
-    the sub-block's last column (the rest is never read).
-
-    Rows of sub-block `blk` use the reference r = blk*sub (its first row):
-    exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), the mask applied before `exp`, both factors
-    <= 1 for j < r. A bounded gate far from overflow ((sub - 1) |lb| <= 80 nats) also takes its
-    own block's columns this way (the second factor then stays below e^80); otherwise the
-    diagonal block is the pairwise kernel's. Each sub-block is a branch of its own, so its key
-    rows (the first `width`, a power of two) are a static size.
-    """
-    c, kd = q_ref.shape
-    nb = c // sub
-    seq, chunk_idx, blk_id = pl.program_id(0), pl.program_id(1), pl.program_id(3)
-    length = len_ref[seq]
-    pairwise = _needs_pairwise(lower_bound, sub)
+    # 2. Scores, one sub-block of rows at a time ([sub, C] accumulators), summed over the column
+    # slices. Rows of block `blk` use the reference r = blk*sub (its first row):
+    # exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), the mask applied before `exp`, both factors
+    # <= 1 for j < r. A bounded gate far from overflow ((sub - 1) |lb| <= 80 nats) also takes its
+    # own block's columns this way (the second factor then stays below e^80); otherwise the
+    # diagonal block is computed pairwise from block-local decay sums (exact at any strength).
     cols_c = lax.broadcasted_iota(jnp.int32, (1, c), 1)
     rs, cs = _rows_and_cols(sub)
 
-    def one_block(blk):
+    for blk in range(nb):
         rows = pl.ds(blk * sub, sub)
         row_ids = blk * sub + lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
         ok = chunk_idx * c + row_ids < length
-        bq, bkn = rs_ref[rows, pl.ds(_RS_Q, 1)], rs_ref[rows, pl.ds(_RS_K, 1)]
-        beta_b = rs_ref[rows, pl.ds(_RS_BETA, 1)]
+        bq, bkn = inv_norm(q_ref, rows, ok), inv_norm(k_ref, rows, ok)
         last_col = blk * sub if pairwise else (blk + 1) * sub
+        # Key rows at or past last_col are masked out: only the first `width` (a power of two)
+        # are formed, loaded and multiplied.
         width = common.next_pow2(last_col) if last_col else 0
+        beta_b = jnp.where(
+            ok, beta_math(plt.load(b_ref.at[rows], mask=ok[:, 0], other=0.0))[:, None], 0.0
+        )
         diag = (cols_c // sub == blk) if pairwise else jnp.zeros((1, c), jnp.bool_)
         # A's columns past `width` are zeros (the diagonal block aside): stored apart, at
         # addresses disjoint from the stores below. `& (row_ids >= 0)` (always true) broadcasts
         # a [1, n] column mask to the stored tile's [sub, n].
         plt.store(
-            a_ref, jnp.zeros((sub, c), a_ref.dtype), mask=(cols_c >= width) & ~diag & (row_ids >= 0)
+            a_ref.at[rows, :],
+            jnp.zeros((sub, c), a_ref.dtype),
+            mask=(cols_c >= width) & ~diag & (row_ids >= 0),
         )
         if width:
             keys = pl.ds(0, width)
             key_row = lax.broadcasted_iota(jnp.int32, (width, 1), 0)
             key_ok = chunk_idx * c + key_row < length
-            key_rk = rs_ref[keys, pl.ds(_RS_K, 1)]
+            key_rk = 1.0 if l2_eps is None else l_scr_ref[keys, pl.ds(c, 1)]
 
-            def scores(cols, accs):
-                q_b = _masked_load(q_ref, rows, cols, ok) * bq
-                k_b = _masked_load(k_ref, rows, cols, ok) * bkn
-                g_r = g_ref[pl.ds(blk * sub, 1), cols]
-                to_r = jnp.exp(g_ref[rows, cols] - g_r)
-                from_r = jnp.where(key_row < last_col, g_r - g_ref[keys, cols], -jnp.inf)
-                k_col = _masked_load(k_ref, keys, cols, key_ok) * key_rk * jnp.exp(from_r)
+            def scores(
+                cols,
+                accs,
+                rows=rows,
+                ok=ok,
+                bq=bq,
+                bkn=bkn,
+                blk=blk,
+                last_col=last_col,
+                keys=keys,
+                key_row=key_row,
+                key_ok=key_ok,
+                key_rk=key_rk,
+            ):
+                q_b, k_b = load(q_ref, cols, rows, ok) * bq, load(k_ref, cols, rows, ok) * bkn
+                g_r = g_scr_ref[pl.ds(blk * sub, 1), cols]
+                to_r = jnp.exp(g_scr_ref[rows, cols] - g_r)
+                from_r = jnp.where(key_row < last_col, g_r - g_scr_ref[keys, cols], -jnp.inf)
+                k_col = load(k_ref, cols, keys, key_ok) * key_rk * jnp.exp(from_r)
                 acc_a, acc_l = accs
                 return acc_a + _dot_nt(q_b * to_r, k_col), acc_l + _dot_nt(k_b * to_r, k_col)
 
             zero_r = jnp.zeros((sub, width), f32)
-            acc_a, acc_l = _slice_loop(kd, block_k, scores, (zero_r, zero_r))
+            acc_a, acc_l = over_slices(kd, scores, (zero_r, zero_r))
             cols_w = lax.broadcasted_iota(jnp.int32, (1, width), 1)
             a_rows = jnp.where(cols_w <= row_ids, scale * acc_a, 0.0).astype(a_ref.dtype)
             l_rows = jnp.where(cols_w < row_ids, beta_b * acc_l, 0.0)
             off = (cols_w // sub != blk) | (not pairwise)
-            plt.store(a_ref.at[:, keys], a_rows, mask=off & (row_ids >= 0))
-            plt.store(l_ref.at[:, keys], l_rows, mask=off & (row_ids >= 0))
+            plt.store(a_ref.at[rows, keys], a_rows, mask=off & (row_ids >= 0))
+            plt.store(l_scr_ref.at[rows, keys], l_rows, mask=off & (row_ids >= 0))
         if pairwise:  # the diagonal block beside the rest of the rows (disjoint addresses)
             diag_a, diag_l = diag_a_ref[rows, :], diag_l_ref[rows, :]
-            a_ref[:, pl.ds(blk * sub, sub)] = (scale * diag_a).astype(a_ref.dtype)
-            l_ref[:, pl.ds(blk * sub, sub)] = jnp.where(rs > cs, beta_b * diag_l, 0.0)
+            a_ref[rows, pl.ds(blk * sub, sub)] = (scale * diag_a).astype(a_ref.dtype)
+            l_scr_ref[rows, pl.ds(blk * sub, sub)] = jnp.where(rs > cs, beta_b * diag_l, 0.0)
+    common.barrier()
 
-    for blk in range(nb):
-        pl.when(blk_id == blk)(functools.partial(one_block, blk))
+    # 3. T = (I + L)^-1 by sub-blocks (T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ), into the scratch.
+    def l_blk(i, j):
+        return l_scr_ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)]
 
-
-def _chunk_wu_kernel(
-    len_ref, k_ref, v_ref, g_ref, rs_ref, l_ref, w_ref, u_ref, t_ref, *, sub, block_k
-):
-    """Phases 3 and 4, one (sequence, chunk, head): T = (I + L)^-1, then w and u.
-
-    len_ref: [Bp] int32; k_ref: [C, K]; v_ref: [C, V]; g_ref: [C, K] fp32, G, and rs_ref [C, 4]
-    from `_chunk_decay_kernel`; l_ref: [C, C] fp32, L from `_chunk_scores_kernel` (blocks on
-    and below the diagonal). Outputs: w_ref [C, K] = T (beta k exp(G)), u_ref [C, V] = T (beta
-    v); t_ref [C, C] fp32 is scratch, private to this program: T by sub-blocks
-    (T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ), then loaded whole for the products.
-    """
-    c = k_ref.shape[0]
-    nb = c // sub
-    seq, chunk_idx = pl.program_id(0), pl.program_id(1)
-    valid = chunk_idx * c + lax.broadcasted_iota(jnp.int32, (c, 1), 0) < len_ref[seq]
-
-    def blk(ref, i, j):
-        return ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)]
+    def t_blk(i, j):
+        return l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + j * sub, sub)]
 
     for i in range(nb):  # row i needs T of rows < i only: stored and fenced by then
-        t_ii = _unit_lower_inverse(blk(l_ref, i, i), sub=sub)
-        t_ref[pl.ds(i * sub, sub), pl.ds(i * sub, sub)] = t_ii
+        t_ii = _unit_lower_inverse(l_blk(i, i), sub=sub)
+        l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + i * sub, sub)] = t_ii
         for j in range(i - 1, -1, -1):
             acc = sum(
-                jnp.dot(
-                    blk(l_ref, i, m), blk(t_ref, m, j), precision=HI, preferred_element_type=f32
-                )
+                jnp.dot(l_blk(i, m), t_blk(m, j), precision=HI, preferred_element_type=f32)
                 for m in range(j, i)
             )
             t_ij = -jnp.dot(t_ii, acc, precision=HI, preferred_element_type=f32)
-            t_ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)] = t_ij
+            l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + j * sub, sub)] = t_ij
         common.barrier()
 
+    # 4. w and u are `_chunk_wu_kernel`'s; L is dead by now (fenced): its columns 0 and 1 hand
+    # over the row scales of w and u.
+    l_scr_ref[:, pl.ds(0, 1)] = beta * rk
+    l_scr_ref[:, pl.ds(1, 1)] = beta
+
+
+def _chunk_wu_kernel(len_ref, k_ref, v_ref, t_ref, g_ref, w_ref, u_ref, *, sub, block_k):
+    """Phase 4 of the prepare stage: one (sequence, chunk, head).
+
+    len_ref: [Bp] int32; k_ref: [C, K]; v_ref: [C, V]; t_ref: [C, 2C] fp32, the prepare
+    kernel's scratch (T in columns C..2C, beta/||k|| and beta in columns 0 and 1); g_ref: [C, K]
+    fp32, G. Outputs: w_ref [C, K] = T (beta k exp(G)), u_ref [C, V] = T (beta v).
+    """
+    c = k_ref.shape[0]
+    seq, chunk_idx = pl.program_id(0), pl.program_id(1)
+    valid = chunk_idx * c + lax.broadcasted_iota(jnp.int32, (c, 1), 0) < len_ref[seq]
+
+    def load(ref, cols):  # 0 at pads and past T (whatever the pads hold)
+        return plt.load(ref.at[:, cols], mask=valid, other=0.0).astype(f32)
+
     rows_cc, cols_cc = _rows_and_cols(c)
-    # Blocks above the diagonal are never written: masked to 0.
-    t_full = plt.load(t_ref, mask=rows_cc // sub >= cols_cc // sub, other=0.0)
-    w_scale, u_scale = rs_ref[:, pl.ds(_RS_W, 1)], rs_ref[:, pl.ds(_RS_BETA, 1)]
-    all_rows = pl.ds(0, c)
-
-    def load(ref, cols):
-        return _masked_load(ref, all_rows, cols, valid)
-
+    # T from the scratch's columns C..2C; blocks above the diagonal are never written (0).
+    t_full = plt.load(t_ref.at[:, pl.ds(c, c)], mask=rows_cc // sub >= cols_cc // sub, other=0.0)
+    w_scale, u_scale = t_ref[:, pl.ds(0, 1)], t_ref[:, pl.ds(1, 1)]
     _apply_t(
         t_full, w_ref, lambda cols: w_scale * load(k_ref, cols) * jnp.exp(g_ref[:, cols]), block_k
     )
@@ -524,12 +507,12 @@ def _check_shapes(q, k, v, f, b, lengths, a_log, dt_bias, chunk, blk):
             raise ValueError(f"chunk_prepare: {name}={n} must be a power of two >= 16")
     if chunk % blk.sub:
         raise ValueError(f"chunk_prepare: chunk={chunk} must be a multiple of sub={blk.sub}")
-    for name, dims in (("block_k", (kd, vd)), ("decay_block_k", (kd,)), ("wu_block_k", (kd, vd))):
+    for name in ("block_k", "wu_block_k"):
         bk = getattr(blk, name)
-        if bk < 16 or bk & (bk - 1) or any(n % bk for n in dims):
-            named = " and ".join(f"{d}={n}" for d, n in zip("KV", dims, strict=False))
+        if bk < 16 or bk & (bk - 1) or kd % bk or vd % bk:
             raise ValueError(
-                f"chunk_prepare: {name}={bk} must be a power of two >= 16 dividing {named}"
+                f"chunk_prepare: {name}={bk} must be a power of two >= 16 dividing "
+                f"K={kd} and V={vd}"
             )
 
 
@@ -641,77 +624,59 @@ def _chunk_prepare(
             name="kda_chunk_diag",
             interpret=common.interpret(),
         )(lens, q, k, f4, ea, dt)
+        diag_spec = inter(sub)
     else:  # not read: the factorised path computes the diagonal blocks with the rest
         diag_a = diag_l = jnp.zeros((1, 1, chunk, sub), f32)
-    lens_spec = pl.BlockSpec((lens.shape[0],), lambda *_: (0,))
-    rs_shape = jax.ShapeDtypeStruct((bsz, h, tp, 4), f32)
-    g_shape = jax.ShapeDtypeStruct((bsz, h, tp, kd), f32)
-    qg, kg, gl, g, rs = pl.pallas_call(
-        functools.partial(
-            _chunk_decay_kernel,
-            scale=scale,
-            lower_bound=lower_bound,
-            l2_eps=l2_eps,
-            block_k=blk.decay_block_k,
-        ),
-        out_shape=(out_shape.qg, out_shape.kg, out_shape.gl, g_shape, rs_shape),
+        diag_spec = pl.BlockSpec((None, None, chunk, sub), lambda s, c, hh: (0, 0, 0, 0))
+    kernel = functools.partial(
+        _chunk_prepare_kernel,
+        scale=scale,
+        lower_bound=lower_bound,
+        l2_eps=l2_eps,
+        sub=sub,
+        block_k=blk.block_k,
+    )
+    # The last two outputs are the kernel's scratch: L then T, and G.
+    scr_shape = (
+        jax.ShapeDtypeStruct((bsz, h, tp, 2 * chunk), f32),
+        jax.ShapeDtypeStruct((bsz, h, tp, kd), f32),
+    )
+    scr_specs = (inter(2 * chunk), inter(kd))
+    kept = [name for name in ChunkIntermediates._fields if name not in ("w", "u")]
+    res = pl.pallas_call(
+        kernel,
+        out_shape=(*(getattr(out_shape, n) for n in kept), *scr_shape),
         grid=(bsz, n, h),
         in_specs=[
-            lens_spec,
+            pl.BlockSpec((lens.shape[0],), lambda s, c, hh: (0,)),
             tok(kd),
             tok(kd),
             tok(kd),
             pl.BlockSpec((None, chunk, None), lambda s, c, hh: (s, c, hh)),
             head,
             head,
-        ],
-        out_specs=(out_specs.qg, out_specs.kg, out_specs.gl, inter(kd), inter(4)),
-        compiler_params=plt.CompilerParams(num_warps=blk.decay_warps, num_stages=1),
-        name="kda_chunk_decay",
-        interpret=common.interpret(),
-    )(lens, q, k, f4, b, ea, dt)
-
-    # The scores: a fourth grid axis over the chunk's sub-blocks, each with its own rows.
-    nb = chunk // sub
-    by_chunk = lambda d: pl.BlockSpec((None, None, chunk, d), lambda s, c, hh, i: (s, hh, c, 0))  # noqa: E731
-    by_sub = pl.BlockSpec((None, None, sub, chunk), lambda s, c, hh, i: (s, hh, c * nb + i, 0))
-    if _needs_pairwise(lower_bound, sub):
-        diag_spec = by_chunk(sub)
-    else:
-        diag_spec = pl.BlockSpec((None, None, chunk, sub), lambda s, c, hh, i: (0, 0, 0, 0))
-    a, lmat = pl.pallas_call(
-        functools.partial(
-            _chunk_scores_kernel,
-            scale=scale,
-            lower_bound=lower_bound,
-            sub=sub,
-            block_k=blk.block_k,
-        ),
-        out_shape=(out_shape.a, jax.ShapeDtypeStruct((bsz, h, tp, chunk), f32)),
-        grid=(bsz, n, h, nb),
-        in_specs=[
-            lens_spec,
-            pl.BlockSpec((None, chunk, None, kd), lambda s, c, hh, i: (s, c, hh, 0)),
-            pl.BlockSpec((None, chunk, None, kd), lambda s, c, hh, i: (s, c, hh, 0)),
-            by_chunk(kd),
-            by_chunk(4),
             diag_spec,
             diag_spec,
         ],
-        out_specs=(by_sub, by_sub),
+        out_specs=(*(getattr(out_specs, n) for n in kept), *scr_specs),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
-        name="kda_chunk_scores",
+        name="kda_chunk_prepare",
         interpret=common.interpret(),
-    )(lens, q, k, g, rs, diag_a, diag_l)
-
-    w, u, _ = pl.pallas_call(
+    )(lens, q, k, f4, b, ea, dt, diag_a, diag_l)
+    outs = dict(zip(kept, res[:-2], strict=True))
+    outs["w"], outs["u"] = pl.pallas_call(
         functools.partial(_chunk_wu_kernel, sub=sub, block_k=blk.wu_block_k),
-        out_shape=(out_shape.w, out_shape.u, jax.ShapeDtypeStruct((bsz, h, tp, chunk), f32)),
+        out_shape=(out_shape.w, out_shape.u),
         grid=(bsz, n, h),
-        in_specs=[lens_spec, tok(kd), tok(vd), inter(kd), inter(4), inter(chunk)],
-        out_specs=(out_specs.w, out_specs.u, inter(chunk)),
+        in_specs=[
+            pl.BlockSpec((lens.shape[0],), lambda s, c, hh: (0,)),
+            tok(kd),
+            tok(vd),
+            *scr_specs,
+        ],
+        out_specs=(out_specs.w, out_specs.u),
         compiler_params=plt.CompilerParams(num_warps=blk.wu_warps, num_stages=blk.wu_stages),
         name="kda_chunk_wu",
         interpret=common.interpret(),
-    )(lens, k, v, g, rs, lmat)
-    return ChunkIntermediates(qg=qg, kg=kg, w=w, u=u, a=a, gl=gl)
+    )(lens, k, v, *res[-2:])
+    return ChunkIntermediates(**outs)

@@ -17,8 +17,7 @@ from pallas_kernels.chunk_prepare import PrepareBlockSizes  # noqa: E402
 # The launch parameters each kernel must carry: the block sizes' defaults at K = V = 128.
 _BLK = PrepareBlockSizes.default_for(128, 128)
 _PREPARE = [
-    ("kda_chunk_decay", _BLK.decay_warps, 1),
-    ("kda_chunk_scores", _BLK.num_warps, _BLK.num_stages),
+    ("kda_chunk_prepare", _BLK.num_warps, _BLK.num_stages),
     ("kda_chunk_wu", _BLK.wu_warps, _BLK.wu_stages),
 ]
 
