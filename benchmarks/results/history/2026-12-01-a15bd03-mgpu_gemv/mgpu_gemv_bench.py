@@ -43,10 +43,24 @@ def main():
     args = p.parse_args()
     recs = []
     configs = {
-        "w_in": [(64, 128, 4, 1), (64, 128, 6, 1), (64, 256, 4, 1), (64, 128, 4, 2),
-                 (64, 128, 4, 3), (64, 256, 3, 3), (128, 128, 4, 1), (64, 128, 4, 9)],
-        "o_proj": [(64, 128, 4, 4), (64, 128, 4, 8), (64, 256, 4, 8), (64, 128, 4, 16),
-                   (64, 256, 4, 16), (128, 128, 4, 8)],
+        "w_in": [
+            (64, 128, 4, 1),
+            (64, 128, 6, 1),
+            (64, 256, 4, 1),
+            (64, 128, 4, 2),
+            (64, 128, 4, 3),
+            (64, 256, 3, 3),
+            (128, 128, 4, 1),
+            (64, 128, 4, 9),
+        ],
+        "o_proj": [
+            (64, 128, 4, 4),
+            (64, 128, 4, 8),
+            (64, 256, 4, 8),
+            (64, 128, 4, 16),
+            (64, 256, 4, 16),
+            (128, 128, 4, 8),
+        ],
     }
     for name, (n, d) in SHAPES.items():
         if name not in configs:
@@ -55,26 +69,37 @@ def main():
         x = jax.random.normal(jax.random.key(3), (1, d), jnp.float32).astype(jnp.bfloat16)
         want = ref.gemv_reference(x, ws[0].astype(jnp.float32), out_dtype=jnp.float32)
         floor = n * d * 2 / 4.3e12 * 1e6
-        variants = {"triton": lambda x, w: G.gemv(x, w, out_dtype=jnp.float32),
-                    "xla": lambda x, w: ref.gemv_reference(x, w, out_dtype=jnp.float32)}
+        variants = {
+            "triton": lambda x, w: G.gemv(x, w, out_dtype=jnp.float32),
+            "xla": lambda x, w: ref.gemv_reference(x, w, out_dtype=jnp.float32),
+        }
         for cfg in configs[name]:
-            variants["mgpu bn=%d bk=%d st=%d split=%d" % cfg] = mgpu_step(cfg)
+            variants["mgpu bn={} bk={} st={} split={}".format(*cfg)] = mgpu_step(cfg)
         for label, step in variants.items():
             try:
                 got = jax.jit(step)(x, ws[0])
                 err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
                 t = time_calls(step, x, ws, 20e-6, 0.05, 5) * 1e6
-                def chain(x, step=step):
+
+                def chain(x, step=step, ws=ws):
                     for w in ws:
                         y = step(x, w)
                         x = x + (1e-3 * y[:, :1].astype(jnp.float32)).astype(x.dtype)
                     return x
 
                 prof = profile_case(chain, x + 0, 4)
-                kern = [(k["name"][:40], k["per_step"] / len(ws), k["mean_us"]) for k in prof["kernels"]]
-                rec = dict(weight=name, variant=label, time_us=round(t, 2), floor_us=round(floor, 2),
-                           max_rel_err=err, busy_per_call_us=round(prof["busy_us"] / len(ws), 2),
-                           kernels=kern)
+                kern = [
+                    (k["name"][:40], k["per_step"] / len(ws), k["mean_us"]) for k in prof["kernels"]
+                ]
+                rec = dict(
+                    weight=name,
+                    variant=label,
+                    time_us=round(t, 2),
+                    floor_us=round(floor, 2),
+                    max_rel_err=err,
+                    busy_per_call_us=round(prof["busy_us"] / len(ws), 2),
+                    kernels=kern,
+                )
             except Exception as e:  # noqa: BLE001
                 rec = dict(weight=name, variant=label, error=f"{type(e).__name__}: {str(e)[:400]}")
             print(json.dumps(rec), flush=True)
