@@ -290,7 +290,6 @@ def _chunk_prepare_kernel(
     gl_ref,
     l_scr_ref,
     g_scr_ref,
-    kbe_ref,
     *,
     scale: float,
     lower_bound: float | None,
@@ -305,8 +304,8 @@ def _chunk_prepare_kernel(
     pairwise scores from `_diag_pairwise_kernel` (unbounded gate; unused otherwise).
     Outputs: qg_ref, kg_ref: [C, K]; a_ref: [C, C]; gl_ref: [1, K]. Scratch outputs, private to
     this program until `_chunk_wu_kernel` reads them (fp32): l_scr_ref [C, 2C] holds L then T
-    (columns C..2C) and, at the end, beta in column 0; g_scr_ref [C, K] holds G. kbe_ref
-    [C, K] (mm_dtype) is the w/u kernel's input beta k exp(G), written in phase 1.
+    (columns C..2C) and, at the end, beta/||k|| and beta in columns 0 and 1; g_scr_ref [C, K]
+    holds G.
     """
     c, kd = q_ref.shape
     nb, bk = c // sub, block_k
@@ -359,7 +358,6 @@ def _chunk_prepare_kernel(
         g_last = jnp.sum(jnp.where(row == c - 1, big_g, 0.0), axis=0, keepdims=True)
         qg_ref[:, cols] = (scale * q * jnp.exp(big_g)).astype(qg_ref.dtype)
         kg_ref[:, cols] = (k * jnp.exp(g_last - big_g)).astype(kg_ref.dtype)
-        kbe_ref[:, cols] = (beta * k * jnp.exp(big_g)).astype(kbe_ref.dtype)
         gl_ref[:, cols] = jnp.exp(g_last)
         return carry
 
@@ -459,32 +457,34 @@ def _chunk_prepare_kernel(
             l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + j * sub, sub)] = t_ij
         common.barrier()
 
-    # 4. w and u are `_chunk_wu_kernel`'s; L is dead by now (fenced): its column 0 hands over
-    # u's row scale.
-    l_scr_ref[:, pl.ds(0, 1)] = beta
+    # 4. w and u are `_chunk_wu_kernel`'s; L is dead by now (fenced): its columns 0 and 1 hand
+    # over the row scales of w and u.
+    l_scr_ref[:, pl.ds(0, 1)] = beta * rk
+    l_scr_ref[:, pl.ds(1, 1)] = beta
 
 
-def _chunk_wu_kernel(len_ref, v_ref, t_ref, kbe_ref, w_ref, u_ref, *, sub, block_k):
+def _chunk_wu_kernel(len_ref, k_ref, v_ref, t_ref, g_ref, w_ref, u_ref, *, sub, block_k):
     """Phase 4 of the prepare stage: one (sequence, chunk, head).
 
-    len_ref: [Bp] int32; v_ref: [C, V]; t_ref: [C, 2C] fp32, the prepare kernel's scratch (T in
-    columns C..2C, beta in column 0); kbe_ref: [C, K], beta k exp(G) from the prepare kernel's
-    phase 1 (0 at pads). Outputs: w_ref [C, K] = T kbe, u_ref [C, V] = T (beta v).
+    len_ref: [Bp] int32; k_ref: [C, K]; v_ref: [C, V]; t_ref: [C, 2C] fp32, the prepare
+    kernel's scratch (T in columns C..2C, beta/||k|| and beta in columns 0 and 1); g_ref: [C, K]
+    fp32, G. Outputs: w_ref [C, K] = T (beta k exp(G)), u_ref [C, V] = T (beta v).
     """
-    c = v_ref.shape[0]
+    c = k_ref.shape[0]
     seq, chunk_idx = pl.program_id(0), pl.program_id(1)
     valid = chunk_idx * c + lax.broadcasted_iota(jnp.int32, (c, 1), 0) < len_ref[seq]
+
+    def load(ref, cols):  # 0 at pads and past T (whatever the pads hold)
+        return plt.load(ref.at[:, cols], mask=valid, other=0.0).astype(f32)
+
     rows_cc, cols_cc = _rows_and_cols(c)
     # T from the scratch's columns C..2C; blocks above the diagonal are never written (0).
     t_full = plt.load(t_ref.at[:, pl.ds(c, c)], mask=rows_cc // sub >= cols_cc // sub, other=0.0)
-    u_scale = t_ref[:, pl.ds(0, 1)]
-    _apply_t(t_full, w_ref, lambda cols: kbe_ref[:, cols].astype(f32), block_k)
+    w_scale, u_scale = t_ref[:, pl.ds(0, 1)], t_ref[:, pl.ds(1, 1)]
     _apply_t(
-        t_full,
-        u_ref,
-        lambda cols: u_scale * plt.load(v_ref.at[:, cols], mask=valid, other=0.0).astype(f32),
-        block_k,
+        t_full, w_ref, lambda cols: w_scale * load(k_ref, cols) * jnp.exp(g_ref[:, cols]), block_k
     )
+    _apply_t(t_full, u_ref, lambda cols: u_scale * load(v_ref, cols), block_k)
 
 
 def _check_shapes(q, k, v, f, b, lengths, a_log, dt_bias, chunk, blk):
@@ -636,14 +636,12 @@ def _chunk_prepare(
         sub=sub,
         block_k=blk.block_k,
     )
-    # The last three outputs are the kernel's scratch (L then T, and G) and the w/u kernel's
-    # beta k exp(G).
+    # The last two outputs are the kernel's scratch: L then T, and G.
     scr_shape = (
         jax.ShapeDtypeStruct((bsz, h, tp, 2 * chunk), f32),
         jax.ShapeDtypeStruct((bsz, h, tp, kd), f32),
-        jax.ShapeDtypeStruct((bsz, h, tp, kd), mm_dtype),
     )
-    scr_specs = (inter(2 * chunk), inter(kd), inter(kd))
+    scr_specs = (inter(2 * chunk), inter(kd))
     kept = [name for name in ChunkIntermediates._fields if name not in ("w", "u")]
     res = pl.pallas_call(
         kernel,
@@ -665,21 +663,20 @@ def _chunk_prepare(
         name="kda_chunk_prepare",
         interpret=common.interpret(),
     )(lens, q, k, f4, b, ea, dt, diag_a, diag_l)
-    outs = dict(zip(kept, res[:-3], strict=True))
-    l_t, _, kbe = res[-3:]  # G's scratch is the prepare kernel's alone
+    outs = dict(zip(kept, res[:-2], strict=True))
     outs["w"], outs["u"] = pl.pallas_call(
         functools.partial(_chunk_wu_kernel, sub=sub, block_k=blk.wu_block_k),
         out_shape=(out_shape.w, out_shape.u),
         grid=(bsz, n, h),
         in_specs=[
             pl.BlockSpec((lens.shape[0],), lambda s, c, hh: (0,)),
+            tok(kd),
             tok(vd),
-            inter(2 * chunk),
-            inter(kd),
+            *scr_specs,
         ],
         out_specs=(out_specs.w, out_specs.u),
         compiler_params=plt.CompilerParams(num_warps=blk.wu_warps, num_stages=blk.wu_stages),
         name="kda_chunk_wu",
         interpret=common.interpret(),
-    )(lens, v, l_t, kbe)
+    )(lens, k, v, *res[-2:])
     return ChunkIntermediates(**outs)
