@@ -330,7 +330,6 @@ def plan_decode(
     n_tiles = groups // hb
     if flat:
         ids = lambda p: _flat_ids(p, b, n_tiles, _slots(r, width))[:2]  # noqa: E731
-
     else:
         ids = lambda i, j, slot: (i, j)  # noqa: E731
     at = lambda index: lambda *g: index(*ids(*g))  # noqa: E731
