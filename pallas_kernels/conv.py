@@ -124,7 +124,7 @@ def _conv_decode_program(
 
     def raw(q):
         """The raw input at row position q (below 0: the carried state), [HB, K] fp32."""
-        if one or isinstance(q, int):
+        if isinstance(q, int):  # static positions (every row when one program holds them all)
             return x_ref[q].astype(f32) if q >= 0 else state_ref[width - 1 + q].astype(f32)
         # Both loads are in bounds; the select copies one of them exactly.
         from_x = x_ref[jnp.clip(q, 0, rows - 1)].astype(f32)
