@@ -128,7 +128,7 @@ def _lengths_from(state, b, t):
     return jnp.full((b,), t, jnp.int32) - bump
 
 
-def _core_step(inputs, lower_bound, state):
+def _core_step(inputs, lower_bound, state, chunk=64):
     q, k, v, g, beta, a_log, dt_bias, _ = inputs
     b, t, h, kd = q.shape
     _, new_state = chunk_kda(
@@ -142,7 +142,7 @@ def _core_step(inputs, lower_bound, state):
         a_log,
         dt_bias,
         scale=kd**-0.5,
-        chunk=64,
+        chunk=chunk,
         lower_bound=lower_bound,
         mm_dtype=jnp.bfloat16,
         o_dtype=jnp.bfloat16,

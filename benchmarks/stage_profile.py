@@ -68,6 +68,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--t", type=int, default=8192)
+    parser.add_argument("--chunk", type=int, default=64, help="chunk width C of our kernels")
     parser.add_argument("--fla", action="store_true", help="also list FLA's kernels")
     parser.add_argument(
         "--kernels", action="store_true", help="also list the kernels of our chunk_kda step"
@@ -114,7 +115,7 @@ def main():
                     print(f"FLA {gate}: {row}")
             except Exception as e:  # noqa: BLE001
                 print(f"FLA unavailable: {type(e).__name__}: {e}")
-        core_step = functools.partial(_core_step, inputs, lb)
+        core_step = functools.partial(_core_step, inputs, lb, chunk=args.chunk)
         if args.kernels:
             prof = profile_case(core_step, h0 + 0.0, 5)
             print(f"ours {gate}: busy {prof['busy_us']} us, span {prof['span_us']} us per step")
@@ -127,21 +128,23 @@ def main():
                 fla = None
                 print(f"FLA unavailable: {type(e).__name__}: {e}")
             run = functools.partial(common.time_loop, core_step, h0 + 0.0, 10, 3)
-            flops, nbytes = chunk_flops(b, t, h, kd, kd), core_bytes(b, t, h, kd, kd)
+            flops, nbytes = chunk_flops(b, t, h, kd, kd, args.chunk), core_bytes(b, t, h, kd, kd)
             floor = max(flops / PEAK, nbytes / BANDWIDTH)
             common.run_case(
                 records,
                 meta,
                 "chunk_kda",
                 f"B={b},T={t},H={h},gate={gate}",
-                "default",
+                f"chunk={args.chunk}",
                 run,
                 1e6 * floor,
                 fla,
                 "fla chunk_kda",
             )
-        kw = dict(scale=kd**-0.5, chunk=64, lower_bound=lb, mm_dtype=jnp.bfloat16, l2_eps=L2_EPS)
-        shape = f"B={b},T={t},H={h},gate={gate}"
+        kw = dict(
+            scale=kd**-0.5, chunk=args.chunk, lower_bound=lb, mm_dtype=jnp.bfloat16, l2_eps=L2_EPS
+        )
+        shape = f"B={b},T={t},H={h},C={args.chunk},gate={gate}"
         for config in args.configs:
             blk = prepare_block_sizes(config)
 
@@ -178,7 +181,7 @@ def main():
         a_log,
         dt_bias,
         scale=kd**-0.5,
-        chunk=64,
+        chunk=args.chunk,
         lower_bound=LB,
         mm_dtype=jnp.bfloat16,
         l2_eps=L2_EPS,
@@ -192,7 +195,7 @@ def main():
             records,
             meta,
             "chunk_scan",
-            f"B={b},T={t},H={h}",
+            f"B={b},T={t},H={h},C={args.chunk}",
             f"bv={bv},warps={warps},stages={stages}",
             run,
             0.0,
