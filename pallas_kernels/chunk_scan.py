@@ -74,20 +74,11 @@ def _chunk_scan_kernel(
     nt = (((1,), (1,)), ((), ()))  # x @ y.T
     tn = (((0,), (0,)), ((), ()))  # x.T @ y
 
-    def vectors(n):
-        """Chunk n's u rows and exp(G_last): the loads that feed no matrix product."""
-        return u_ref[pl.ds(n * chunk, chunk), :].astype(f32), gl_ref[pl.ds(n, 1), :]
-
-    def step(n, carry):
-        s_t, u, gl = carry
-        # The next chunk's u and gl are loaded one iteration ahead, so their trips to memory
-        # overlap this chunk's products (Triton's pipeliner takes only the loads that feed a
-        # dot; these two were waited on in every iteration). The last iteration reloads its own.
-        u_next, gl_next = vectors(jnp.minimum(n + 1, n_chunks - 1))
+    def step(n, s_t):
         rows = pl.ds(n * chunk, chunk)
         s_mm = s_t.astype(mm)  # S^T [BV, K]
         w_s = lax.dot_general(w_ref[rows, :], s_mm, nt, preferred_element_type=f32)
-        delta = u - w_s  # [C, BV]
+        delta = u_ref[rows, :].astype(f32) - w_s  # [C, BV]
         # Delta as a sum of mm-dtype parts (hi + lo for bf16: ~16 mantissa bits), so the
         # products with A and kg do not round the delta-rule errors to bf16.
         d_parts = [delta.astype(mm)]
@@ -95,14 +86,14 @@ def _chunk_scan_kernel(
             d_parts.append((delta - d_parts[0].astype(f32)).astype(mm))
         a, kg = a_ref[rows, :], kg_ref[rows, :]
         o = lax.dot_general(qg_ref[rows, :], s_mm, nt, preferred_element_type=f32)
-        s_t = gl * s_t  # decay rows of S (columns of S^T) by exp(G_last)
+        s_t = gl_ref[pl.ds(n, 1), :] * s_t  # decay rows of S (columns of S^T) by exp(G_last)
         for d in d_parts:
             o += jnp.dot(a, d, preferred_element_type=f32)
             s_t += lax.dot_general(d, kg, tn, preferred_element_type=f32)
         o_ref[rows, :] = o.astype(o_ref.dtype)
-        return s_t, u_next, gl_next
+        return s_t
 
-    s_t, _, _ = lax.fori_loop(0, n_chunks, step, (s_ref[...].astype(f32).T, *vectors(0)))
+    s_t = lax.fori_loop(0, n_chunks, step, s_ref[...].astype(f32).T)
     s_out_ref[...] = s_t.T
 
 
