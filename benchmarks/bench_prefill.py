@@ -31,6 +31,7 @@ JAX timing: one jitted `fori_loop` of n dependent calls (the final state is the 
 `lengths`, so nothing is loop-invariant), median over repetitions, divided by n.
 
 Usage: python benchmarks/bench_prefill.py --out PATH [--quick] [--core-only | --block-only]
+                                          [--chunks 64,32] [--gates bounded,unbounded]
 """
 
 from __future__ import annotations
@@ -151,12 +152,17 @@ def _core_step(inputs, lower_bound, state, chunk=64):
     return new_state
 
 
-def bench_core(shapes, n, reps, records, meta, h=32, kd=128):
+def bench_core(shapes, n, reps, records, meta, h=32, kd=128, chunks=(64,), gates=None):
+    """Our core at each chunk width in `chunks` beside FLA's (timed once per shape and gate);
+    the backend label names C when it is not 64. `gates`: None for both, else a subset of
+    ("bounded", "unbounded")."""
     for b, t in shapes:
         inputs = jax.block_until_ready(core_inputs(b, t, h, kd, jax.random.key(t + b)))
         floor = max(chunk_flops(b, t, h, kd, kd) / PEAK, core_bytes(b, t, h, kd, kd) / BANDWIDTH)
         floor *= 1e6
         for lb, gate in ((LB, "bounded"), (None, "unbounded")):
+            if gates is not None and gate not in gates:
+                continue
             try:
                 fla = fla_us(inputs, lb, reps)
             except Exception as e:  # noqa: BLE001 - the reason is printed and baseline is null
@@ -166,21 +172,21 @@ def bench_core(shapes, n, reps, records, meta, h=32, kd=128):
                     f"{type(e).__name__}: {e}",
                     file=sys.stderr,
                 )
-            step = functools.partial(_core_step, inputs, lb)
-            run = functools.partial(common.time_loop, step, inputs[-1] + 0.0, n, reps)
-            shape = f"B={b},T={t},H={h},K={kd},gate={gate}"
-            common.run_case(
-                records,
-                meta,
-                "prefill_core",
-                shape,
-                "pallas(o bf16, no o_norm)",
-                run,
-                floor,
-                fla,
-                FLA_NAME,
-                vs_baseline=lambda us, f=fla: None if f is None else round(us / f, 3),
-            )
+            for c in chunks:
+                step = functools.partial(_core_step, inputs, lb, chunk=c)
+                run = functools.partial(common.time_loop, step, inputs[-1] + 0.0, n, reps)
+                common.run_case(
+                    records,
+                    meta,
+                    "prefill_core",
+                    f"B={b},T={t},H={h},K={kd},gate={gate}",
+                    "pallas(o bf16, no o_norm)" + ("" if c == 64 else f", C={c}"),
+                    run,
+                    floor,
+                    fla,
+                    FLA_NAME,
+                    vs_baseline=lambda us, f=fla: None if f is None else round(us / f, 3),
+                )
         del inputs
 
 
@@ -236,13 +242,23 @@ def main():
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--core-only", action="store_true", help="skip the whole-block cases")
     only.add_argument("--block-only", action="store_true", help="skip the core cases (and FLA)")
+    parser.add_argument(
+        "--chunks",
+        type=lambda x: tuple(int(c) for c in x.split(",")),
+        default=(64,),
+        help="chunk widths of our core, e.g. 64,32 (FLA runs once per shape and gate)",
+    )
+    parser.add_argument("--gates", default="bounded,unbounded", help="core gates, e.g. bounded")
     args = parser.parse_args()
     meta = common.meta()
     reps = 3 if args.quick else 5
     records = common.Records(args.out)
     shapes = [(1, 8192), (4, 4096), (1, 32768)]
     if not args.block_only:
-        bench_core(shapes, 20, reps, records, meta)
+        gates = set(args.gates.split(","))
+        if not gates <= {"bounded", "unbounded"}:
+            parser.error(f"--gates: expected bounded and/or unbounded, got {args.gates!r}")
+        bench_core(shapes, 20, reps, records, meta, chunks=args.chunks, gates=gates)
     if not args.core_only:
         cfg = preset("kimi-linear-48b")
         params = init_params(cfg, jax.random.key(0), jnp.bfloat16)

@@ -389,23 +389,26 @@ def test_prepare_lowers_for_h200(lower_bound):
 @pytest.mark.skipif(not ON_GPU, reason="compiled-kernel accuracy at T=4096 needs a GPU")
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
 @pytest.mark.parametrize("decay", ["moderate", "weak"])
-def test_prefill_core_bf16_t4096_on_gpu(rng, lower_bound, decay):
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_prefill_core_bf16_t4096_on_gpu(rng, lower_bound, decay, chunk):
     t, h, kd = 4096, 32, 128
     inp = _inputs(rng, b=2, t=t, h=h, kd=kd, dtype=bf16, decay=decay, lengths=[t, t - 77])
-    kw = dict(scale=kd**-0.5, chunk=64, lower_bound=lower_bound, eps=EPS)
+    kw = dict(scale=kd**-0.5, chunk=chunk, lower_bound=lower_bound, eps=EPS)
     y, s = prefill_core(*inp, **kw, out_dtype=bf16)
     _assert_finite(y, s)
     y_ref, s_ref = ref.prefill_core_reference(*inp, **kw, out_dtype=f32)
     err_y = assert_close(y, y_ref, TOL["bf16_stage"], "y vs fp32 reference")
     err_s = assert_close(s, s_ref, TOL["bf16_stage"], "state vs fp32 reference")
-    print(f"bf16 prefill_core T={t}: rel RMS y {err_y:.2e}, state {err_s:.2e}")
+    print(f"bf16 prefill_core T={t} C={chunk}: rel RMS y {err_y:.2e}, state {err_s:.2e}")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled-kernel check needs a GPU")
-def test_prefill_core_strong_decay_on_gpu(rng):
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_prefill_core_strong_decay_on_gpu(rng, lower_bound, chunk):
     t, h, kd = 1024, 32, 128
     inp = _inputs(rng, b=1, t=t, h=h, kd=kd, dtype=bf16, decay="strong", lengths=[t - 5])
-    kw = dict(scale=kd**-0.5, chunk=64, lower_bound=None, eps=EPS)
+    kw = dict(scale=kd**-0.5, chunk=chunk, lower_bound=lower_bound, eps=EPS)
     y, s = prefill_core(*inp, **kw, out_dtype=bf16)
     _assert_finite(y, s)
     y_ref, s_ref = ref.prefill_core_reference(*inp, **kw, out_dtype=f32)
@@ -415,13 +418,14 @@ def test_prefill_core_strong_decay_on_gpu(rng):
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled stage checks need a GPU")
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
-def test_stages_fp32_on_gpu(rng, lower_bound):
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_stages_fp32_on_gpu(rng, lower_bound, chunk):
     """Each compiled stage in fp32 (TF32 products) against its reference, Kimi-Linear heads,
     both gates (the prepare kernels' barriers and masks only show compiled)."""
     t, h, kd = 300, 4, 128
     inp = _inputs(rng, b=2, t=t, h=h, kd=kd, lengths=[t, 131])
     args = _prep_args(inp)
-    kw = dict(scale=kd**-0.5, chunk=64, lower_bound=lower_bound, mm_dtype=f32)
+    kw = dict(scale=kd**-0.5, chunk=chunk, lower_bound=lower_bound, mm_dtype=f32)
     got = chunk_prepare(*args, **kw)
     want = ChunkIntermediates(*ref.chunk_prepare_reference(*args, **kw))
     for name in ChunkIntermediates._fields:
