@@ -31,7 +31,7 @@ JAX timing: one jitted `fori_loop` of n dependent calls (the final state is the 
 `lengths`, so nothing is loop-invariant), median over repetitions, divided by n.
 
 Usage: python benchmarks/bench_prefill.py --out PATH [--quick] [--core-only | --block-only]
-                                          [--chunks 64,32] [--gates bounded,unbounded]
+                                          [--chunks 64,32] [--gates bounded,unbounded] [--shapes 1x8192]
 """
 
 from __future__ import annotations
@@ -249,11 +249,17 @@ def main():
         help="chunk widths of our core, e.g. 64,32 (FLA runs once per shape and gate)",
     )
     parser.add_argument("--gates", default="bounded,unbounded", help="core gates, e.g. bounded")
+    parser.add_argument(
+        "--shapes",
+        type=lambda x: [tuple(int(v) for v in s.split("x")) for s in x.split(",")],
+        default=[(1, 8192), (4, 4096), (1, 32768)],
+        help="core shapes as BxT, e.g. 1x32768",
+    )
     args = parser.parse_args()
     meta = common.meta()
     reps = 3 if args.quick else 5
     records = common.Records(args.out)
-    shapes = [(1, 8192), (4, 4096), (1, 32768)]
+    shapes = args.shapes
     if not args.block_only:
         gates = set(args.gates.split(","))
         if not gates <= {"bounded", "unbounded"}:
