@@ -31,7 +31,8 @@ JAX timing: one jitted `fori_loop` of n dependent calls (the final state is the 
 `lengths`, so nothing is loop-invariant), median over repetitions, divided by n.
 
 Usage: python benchmarks/bench_prefill.py --out PATH [--quick] [--core-only | --block-only]
-                                          [--chunks 64,32] [--gates bounded,unbounded] [--shapes 1x8192]
+                                          [--chunks 64,32] [--gates bounded,unbounded]
+                                          [--shapes 1x8192,4x4096]
 """
 
 from __future__ import annotations
