@@ -1,7 +1,7 @@
 """Prefill timings on one GPU: the chunked core against FLA's chunk_kda, and the whole block.
 
-Work per chunk of C tokens and one head (K = V = 128, C = 64), counting triangular products at
-half (C(C+1)/2 ~ C^2/2 entries) and a multiply-add as 2 FLOPs:
+Work per chunk of C tokens and one head (K = V = 128; the figures are at C = 64), counting
+triangular products at half (C(C+1)/2 ~ C^2/2 entries) and a multiply-add as 2 FLOPs:
   chunk_prepare: A = q k^T and L = k k^T (C^2 K each), w = T kb (C^2 K), u = T vb (C^2 V),
                  T by sub-blocks (~C^3/3)                            -> C^2 (3K + V) + C^3/3
   chunk_scan:    w S, qg S, kg^T Delta (2 C K V each), A Delta (C^2 V, triangular)
@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 from kda_jax import forward  # noqa: E402
-from kda_jax.config import preset  # noqa: E402
+from kda_jax.config import DEFAULT_CHUNK, preset  # noqa: E402
 from kda_jax.params import init_params  # noqa: E402
 from kda_jax.state import KdaState  # noqa: E402
 from pallas_kernels.chunk import chunk_kda  # noqa: E402
@@ -130,7 +130,7 @@ def _lengths_from(state, b, t):
     return jnp.full((b,), t, jnp.int32) - bump
 
 
-def _core_step(inputs, lower_bound, state, chunk=64):
+def _core_step(inputs, lower_bound, state, chunk=DEFAULT_CHUNK):
     q, k, v, g, beta, a_log, dt_bias, _ = inputs
     b, t, h, kd = q.shape
     _, new_state = chunk_kda(
@@ -153,9 +153,9 @@ def _core_step(inputs, lower_bound, state, chunk=64):
     return new_state
 
 
-def bench_core(shapes, n, reps, records, meta, h=32, kd=128, chunks=(64,), gates=None):
-    """Our core at each chunk width in `chunks` beside FLA's (timed once per shape and gate);
-    the backend label names C when it is not 64. `gates`: None for both, else a subset of
+def bench_core(shapes, n, reps, records, meta, h=32, kd=128, chunks=(DEFAULT_CHUNK,), gates=None):
+    """Our core at each chunk width in `chunks` beside FLA's (timed once per shape and gate),
+    C named in the backend label. `gates`: None for both, else a subset of
     ("bounded", "unbounded")."""
     for b, t in shapes:
         inputs = jax.block_until_ready(core_inputs(b, t, h, kd, jax.random.key(t + b)))
@@ -181,7 +181,7 @@ def bench_core(shapes, n, reps, records, meta, h=32, kd=128, chunks=(64,), gates
                     meta,
                     "prefill_core",
                     f"B={b},T={t},H={h},K={kd},gate={gate}",
-                    "pallas(o bf16, no o_norm)" + ("" if c == 64 else f", C={c}"),
+                    f"pallas(C={c}, o bf16, no o_norm)",
                     run,
                     floor,
                     fla,
@@ -246,8 +246,9 @@ def main():
     parser.add_argument(
         "--chunks",
         type=lambda x: tuple(int(c) for c in x.split(",")),
-        default=(64,),
-        help="chunk widths of our core, e.g. 64,32 (FLA runs once per shape and gate)",
+        default=(DEFAULT_CHUNK,),
+        help="chunk widths of our core, e.g. 64,32 (default: the config's default, "
+        f"{DEFAULT_CHUNK}; FLA runs once per shape and gate)",
     )
     parser.add_argument("--gates", default="bounded,unbounded", help="core gates, e.g. bounded")
     parser.add_argument(

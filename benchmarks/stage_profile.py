@@ -42,6 +42,7 @@ from bench_prefill import (  # noqa: E402
 )
 from decode_profile import profile_case  # noqa: E402
 
+from kda_jax.config import DEFAULT_CHUNK  # noqa: E402
 from pallas_kernels.chunk_prepare import PrepareBlockSizes, _chunk_prepare  # noqa: E402
 from pallas_kernels.chunk_scan import ScanBlockSizes, _chunk_scan  # noqa: E402
 
@@ -68,7 +69,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--t", type=int, default=8192)
-    parser.add_argument("--chunk", type=int, default=64, help="chunk width C of our kernels")
+    parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="chunk width C of ours")
     parser.add_argument("--fla", action="store_true", help="also list FLA's kernels")
     parser.add_argument(
         "--kernels", action="store_true", help="also list the kernels of our chunk_kda step"

@@ -12,10 +12,19 @@ import math
 import os
 from typing import Any
 
-__all__ = ["KdaConfig", "PRESETS", "preset"]
+__all__ = ["DEFAULT_CHUNK", "KdaConfig", "PRESETS", "preset"]
 
 # Shared memory per thread block on an H100/H200 (227 KB); the chunk kernels keep fp32 tiles there.
 SMEM_CEILING_BYTES = 227 * 1024
+
+# The prefill chunk width C when none is given. It changes the arithmetic order, not the result.
+# 32 rather than 64: the intra-chunk stage (chunk_prepare) does work per token in proportion to
+# C, while the state pass's per-chunk latency grows with the number of chunks, and on the H200
+# the first term wins. Core prefill at Kimi-Linear heads, C = 32 against 64 in one job
+# (2026-12-01, session 12, benchmarks/results/history/2026-12-01-f7db4a3-chunk32/): B=1,
+# T=8192 1222 against 1288 us (bounded gate), 1587 against 1633 (unbounded); B=4, T=4096 1859
+# against 2345 (bounded), 2593 against 3070 (unbounded). C = 16 was slower than both.
+DEFAULT_CHUNK = 32
 
 
 def _is_pow2(n: int) -> bool:
@@ -35,7 +44,7 @@ class KdaConfig:
         gate `-exp(A_log) * softplus(f + dt_bias)`.
       rms_norm_eps: epsilon of the sigmoid-gated RMSNorm (`o_norm`).
       l2_eps: epsilon of the q/k L2 normalisation, applied as `1/sqrt(sum + eps)`.
-      chunk: C, the prefill chunk width.
+      chunk: C, the prefill chunk width (DEFAULT_CHUNK, 32, unless given; 16, 32 or 64).
       max_verify: the largest k `decode_k` accepts (the batched GEMV's row limit).
     """
 
@@ -46,7 +55,7 @@ class KdaConfig:
     gate_lower_bound: float | None = None
     rms_norm_eps: float = 1e-5
     l2_eps: float = 1e-6
-    chunk: int = 64
+    chunk: int = DEFAULT_CHUNK
     max_verify: int = 8
 
     # Derived sizes (SPEC notation).

@@ -13,6 +13,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import kda_jax as K
+from kda_jax.config import DEFAULT_CHUNK
 from kda_jax.hf import PREFIX, load_hf_params, save_hf_checkpoint
 
 
@@ -35,7 +36,7 @@ def test_roundtrip_every_variant(tmp_path, name, conv_layout, a_log_shape, shard
         shards=shards,
     )
     got_cfg, got = load_hf_params(tmp_path, 2, dtype=dtype)
-    assert got_cfg == cfg.replace(chunk=64)  # chunk is not a checkpoint key: the default holds
+    assert got_cfg == cfg.replace(chunk=DEFAULT_CHUNK)  # not a checkpoint key: the default
     chex.assert_trees_all_equal(got, params)
     for leaf in ("conv_w", "a_log", "dt_bias", "o_norm_w"):
         assert getattr(got, leaf).dtype == jnp.float32
