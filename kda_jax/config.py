@@ -19,8 +19,8 @@ SMEM_CEILING_BYTES = 227 * 1024
 
 # The prefill chunk width C when none is given. It changes the arithmetic order, not the result.
 # 32 rather than 64: the intra-chunk stage (chunk_prepare) does work per token in proportion to
-# C, while the state pass's per-chunk latency grows with the number of chunks, and on the H200
-# the first term wins. Core prefill at Kimi-Linear heads, C = 32 against 64 in one job
+# C, while the state pass takes one serial loop trip per chunk, so its time grows as C shrinks;
+# on the H200 the first term wins. Core prefill at Kimi-Linear heads, C = 32 against 64 in one job
 # (2026-12-01, session 12, benchmarks/results/history/2026-12-01-f7db4a3-chunk32/): B=1,
 # T=8192 1222 against 1288 us (bounded gate), 1587 against 1633 (unbounded); B=4, T=4096 1859
 # against 2345 (bounded), 2593 against 3070 (unbounded). C = 16 was slower than both.
