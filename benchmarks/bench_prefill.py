@@ -76,6 +76,13 @@ def core_bytes(b, t, h, kd, vd):
     return b * t * h * (3 * kd * 2 + kd * 2 + 2 + vd * 2) + 2 * b * h * kd * vd * 4
 
 
+def core_floor_us(b, t, h, kd, c):
+    """The core's floor at chunk width c: max(FLOP floor, byte floor), in us."""
+    return 1e6 * max(
+        chunk_flops(b, t, h, kd, kd, c) / PEAK, core_bytes(b, t, h, kd, kd) / BANDWIDTH
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Core: ours vs FLA chunk_kda on the same arrays
 # ----------------------------------------------------------------------------------------------
@@ -159,8 +166,6 @@ def bench_core(shapes, n, reps, records, meta, h=32, kd=128, chunks=(DEFAULT_CHU
     ("bounded", "unbounded")."""
     for b, t in shapes:
         inputs = jax.block_until_ready(core_inputs(b, t, h, kd, jax.random.key(t + b)))
-        floor = max(chunk_flops(b, t, h, kd, kd) / PEAK, core_bytes(b, t, h, kd, kd) / BANDWIDTH)
-        floor *= 1e6
         for lb, gate in ((LB, "bounded"), (None, "unbounded")):
             if gates is not None and gate not in gates:
                 continue
@@ -183,7 +188,7 @@ def bench_core(shapes, n, reps, records, meta, h=32, kd=128, chunks=(DEFAULT_CHU
                     f"B={b},T={t},H={h},K={kd},gate={gate}",
                     f"pallas(C={c}, o bf16, no o_norm)",
                     run,
-                    floor,
+                    core_floor_us(b, t, h, kd, c),
                     fla,
                     FLA_NAME,
                     vs_baseline=lambda us, f=fla: None if f is None else round(us / f, 3),

@@ -28,14 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
 from bench_prefill import (  # noqa: E402
-    BANDWIDTH,
     L2_EPS,
     LB,
-    PEAK,
     _core_step,
     _lengths_from,
-    chunk_flops,
-    core_bytes,
+    core_floor_us,
     core_inputs,
     fla_call,
     fla_us,
@@ -129,8 +126,6 @@ def main():
                 fla = None
                 print(f"FLA unavailable: {type(e).__name__}: {e}")
             run = functools.partial(common.time_loop, core_step, h0 + 0.0, 10, 3)
-            flops, nbytes = chunk_flops(b, t, h, kd, kd, args.chunk), core_bytes(b, t, h, kd, kd)
-            floor = max(flops / PEAK, nbytes / BANDWIDTH)
             common.run_case(
                 records,
                 meta,
@@ -138,7 +133,7 @@ def main():
                 f"B={b},T={t},H={h},gate={gate}",
                 f"chunk={args.chunk}",
                 run,
-                1e6 * floor,
+                core_floor_us(b, t, h, kd, args.chunk),
                 fla,
                 "fla chunk_kda",
             )
