@@ -1,11 +1,11 @@
-"""Stage times of the chunked prefill at B=1, H=32 (T=8192 by default), both gates, for tuning:
+"""Stage times of the chunked prefill at H=32 (B=1, T=8192 by default), both gates, for tuning:
 the whole core (chunk_kda) against FLA 0.6.0 chunk_kda in the same job, chunk_prepare and
 chunk_scan alone over the block sizes given, with --fla FLA's kernels one by one and with
 --kernels ours (torch.profiler: CUPTI lists XLA's kernels too).
 
-    python benchmarks/stage_profile.py --out PATH [--t T] [--fla] [--kernels]
+    python benchmarks/stage_profile.py --out PATH [--b B] [--t T] [--chunk C] [--fla] [--kernels]
                                        [--gates bounded,unbounded]
-                                       [--configs default,num_stages=2+wu_stages=2]
+                                       [--configs default,num_stages=2+wu_stages=2 | none]
                                        [--scan-configs 32x4x2,64x4x2 | none]
 """
 
@@ -65,6 +65,7 @@ def prepare_block_sizes(config: str) -> PrepareBlockSizes:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--b", type=int, default=1, help="batch rows B")
     parser.add_argument("--t", type=int, default=8192)
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="chunk width C of ours")
     parser.add_argument("--fla", action="store_true", help="also list FLA's kernels")
@@ -73,10 +74,10 @@ def main():
     )
     parser.add_argument(
         "--configs",
-        type=lambda x: x.split(","),
+        type=lambda x: [] if x == "none" else x.split(","),
         default=["default"],
         help="chunk_prepare PrepareBlockSizes list: default, or name=value pairs joined by +, "
-        "e.g. default,num_stages=2,wu_block_k=32+wu_stages=2",
+        "e.g. default,num_stages=2,wu_block_k=32+wu_stages=2; none: skip",
     )
     parser.add_argument(
         "--scan-configs",
@@ -100,7 +101,7 @@ def main():
         parser.error(f"--gates: unknown {sorted(unknown)}, expected bounded and/or unbounded")
     meta = common.meta()
     records = common.Records(args.out)
-    b, t, h, kd = 1, args.t, 32, 128
+    b, t, h, kd = args.b, args.t, 32, 128
     inputs = core_inputs(b, t, h, kd, jax.random.key(7))
     q, k, v, g, beta, a_log, dt_bias, h0 = inputs
     g2 = g.reshape(b, t, h * kd)

@@ -50,11 +50,21 @@ class ScanBlockSizes:
     num_stages: int = 2
 
     @staticmethod
-    def default_for(batch: int, heads: int, v: int) -> ScanBlockSizes:
-        """BV <= 64 (two pipelined stages of the chunk loads then fit shared memory), halved
-        down to 16 until there are B*H*(V/BV) >= 256 programs, two per SM of the GPU (H200,
-        2026-12-01, B=1, T=8192, H=32: BV 16 375 us against 400 for 32 in one job; 64 was
-        slower than 32 in an earlier one, 513 against 414 us)."""
+    def default_for(batch: int, heads: int, v: int, chunk: int) -> ScanBlockSizes:
+        """The measured tilings (H200, B=1, T=8192, H=32, the scan alone):
+        - C <= 32: BV 32 (or V), 4 warps, 3 stages. Three stages keep two chunks' loads in
+          flight (60-68 KB of shared memory); with two, the next chunk's loads are issued at the
+          end of a trip and waited on at the top of the next, so their latency is paid every
+          trip. 2026-12-02, C = 32, one job: 341.1 us against 561.4 for the old default (BV 16,
+          2 stages); BV 16 with 3 stages 428.6, at 2 warps 388.6; 4 stages 424.4 / 356.1.
+        - C = 64: two chunks' loads do not fit beside each other for more than one program
+          per SM (BV 16 with 3 stages: 520 against 388 us), so 2 stages, and BV <= 64 halved
+          down to 16 until there are B*H*(V/BV) >= 256 programs, two per SM (2026-12-01: BV 16
+          375 us against 400 for 32 in one job; 64 was slower than 32 in an earlier one, 513
+          against 414 us).
+        """
+        if chunk <= 32:
+            return ScanBlockSizes(block_v=min(v, 32), num_warps=4, num_stages=3)
         bv = min(v, 64)
         while bv > 16 and batch * heads * (v // bv) < _FILL_PROGRAMS:
             bv //= 2
@@ -120,7 +130,7 @@ def chunk_scan(
         raise ValueError(f"chunk_scan: state has shape {state.shape}, expected {(bsz, h, kd, vd)}")
     if not n * chunk - chunk < t <= n * chunk:
         raise ValueError(f"chunk_scan: t={t} does not fit N={n} chunks of C={chunk} tokens")
-    blk = ScanBlockSizes.default_for(bsz, h, vd)
+    blk = ScanBlockSizes.default_for(bsz, h, vd, chunk)
     return _chunk_scan(inter, state, t=t, out_dtype=out_dtype, blk=blk)
 
 

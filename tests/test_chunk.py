@@ -24,7 +24,7 @@ from pallas_kernels.chunk_prepare import (
     _chunk_prepare,
     chunk_prepare,
 )
-from pallas_kernels.chunk_scan import chunk_scan
+from pallas_kernels.chunk_scan import ScanBlockSizes, chunk_scan
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 EPS = 1e-5
@@ -162,6 +162,16 @@ def test_prepare_default_block_sizes_fit_head_dim():
     assert PrepareBlockSizes.default_for(128, 128) == PrepareBlockSizes()
     assert PrepareBlockSizes.default_for(32, 64).wu_block_k == 32
     assert PrepareBlockSizes.default_for(16, 64) == PrepareBlockSizes(block_k=16, wu_block_k=16)
+
+
+def test_scan_default_block_sizes():
+    """C <= 32: BV 32 with three stages; C = 64: two stages, BV halved from 64 down to 16 until
+    there are >= 256 programs (H200 measurements in `ScanBlockSizes.default_for`)."""
+    for chunk in (16, 32):
+        assert ScanBlockSizes.default_for(1, 32, 128, chunk) == ScanBlockSizes(32, 4, 3)
+    assert ScanBlockSizes.default_for(1, 32, 16, 32).block_v == 16
+    assert ScanBlockSizes.default_for(1, 32, 128, 64) == ScanBlockSizes(16, 4, 2)
+    assert ScanBlockSizes.default_for(4, 32, 128, 64) == ScanBlockSizes(64, 4, 2)
 
 
 @pytest.mark.parametrize("name", ["block_k", "wu_block_k"])
@@ -337,9 +347,11 @@ def test_chunk_kda_zero_length_keeps_state(rng):
 # ----------------------------------------------------------------------------------------------
 # Cross-lowering for an H200 (real Triton IR, no GPU needed)
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [32, 64])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
-def test_prefill_core_lowers_for_h200(lower_bound):
-    """Kimi-Linear sizes (H=32, K=V=128, C=64), bf16, both diagonal paths, T off the chunk grid."""
+def test_prefill_core_lowers_for_h200(lower_bound, chunk):
+    """Kimi-Linear sizes (H=32, K=V=128), bf16, both diagonal paths, T off the chunk grid; the
+    scan launches with its default tiling for the chunk width."""
     b, t, h, kd = 2, 300, 32, 128  # N*C = 320: whole-sequence blocks need not be powers of two
     s = jax.ShapeDtypeStruct
     args = (
@@ -354,11 +366,14 @@ def test_prefill_core_lowers_for_h200(lower_bound):
         s((kd,), f32),
     )
     fn = lambda *a: prefill_core(  # noqa: E731
-        *a, scale=kd**-0.5, chunk=64, lower_bound=lower_bound, eps=EPS, out_dtype=bf16
+        *a, scale=kd**-0.5, chunk=chunk, lower_bound=lower_bound, eps=EPS, out_dtype=bf16
     )
     text = lower_for_h200(fn, *args)
     for name in ("kda_chunk_prepare", "kda_chunk_scan", "kda_o_norm"):
         assert name in text, name
+    blk = ScanBlockSizes.default_for(b, h, kd, chunk)
+    launch = f'"kda_chunk_scan", num_stages = {blk.num_stages} : i32, num_warps = {blk.num_warps}'
+    assert launch in text
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
