@@ -51,21 +51,27 @@ class ScanBlockSizes:
 
     @staticmethod
     def default_for(batch: int, heads: int, v: int, chunk: int) -> ScanBlockSizes:
-        """The measured tilings (H200, B=1, T=8192, H=32, the scan alone):
-        - C <= 32: BV 32 (or V), 4 warps, 3 stages. Three stages keep two chunks' loads in
-          flight (60-68 KB of shared memory); with two, the next chunk's loads are issued at the
+        """The measured tilings (H200, H=32, the scan alone; 4 warps throughout):
+        - BV 64 (or V) with 2 stages when that gives B*H*(V/BV) >= 256 programs, two per SM:
+          the other program on the SM hides each trip's load latency. 2026-12-02, B=4,
+          T=4096, C = 32, one job: 525.8 us against 626.4 for BV 32 with 3 stages (512
+          programs), 843.6 for BV 16 with 3.
+        - Fewer programs, C <= 32: BV 32 (or V) with 3 stages, which keep two chunks' loads in
+          flight (60-68 KB of shared memory); with 2, the next chunk's loads are issued at the
           end of a trip and waited on at the top of the next, so their latency is paid every
-          trip. 2026-12-02, C = 32, one job: 341.1 us against 561.4 for the old default (BV 16,
-          2 stages); BV 16 with 3 stages 428.6, at 2 warps 388.6; 4 stages 424.4 / 356.1.
-        - C = 64: two chunks' loads do not fit beside each other for more than one program
-          per SM (BV 16 with 3 stages: 520 against 388 us), so 2 stages, and BV <= 64 halved
-          down to 16 until there are B*H*(V/BV) >= 256 programs, two per SM (2026-12-01: BV 16
-          375 us against 400 for 32 in one job; 64 was slower than 32 in an earlier one, 513
-          against 414 us).
+          trip. 2026-12-02, B=1, T=8192, C = 32: 341.1 us against 561.4 for BV 16 with 2
+          stages; BV 16 with 3 stages 428.6, at 2 warps 388.6; BV 32 with 4 stages 356.1, at 8
+          warps 476.9 (two jobs).
+        - Fewer programs, C = 64: two chunks' loads fit beside each other for one program per
+          SM only (BV 16 with 3 stages: 520 against 388 us), so 2 stages, and BV halved down to
+          16 until there are >= 256 programs (2026-12-01, B=1, T=8192: BV 16 375 us against
+          400 for 32 in one job; 64 was slower than 32 in an earlier one, 513 against 414 us).
         """
+        bv = min(v, 64)
+        if batch * heads * (v // bv) >= _FILL_PROGRAMS:
+            return ScanBlockSizes(block_v=bv, num_warps=4, num_stages=2)
         if chunk <= 32:
             return ScanBlockSizes(block_v=min(v, 32), num_warps=4, num_stages=3)
-        bv = min(v, 64)
         while bv > 16 and batch * heads * (v // bv) < _FILL_PROGRAMS:
             bv //= 2
         return ScanBlockSizes(block_v=bv, num_warps=4, num_stages=2)

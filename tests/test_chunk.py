@@ -165,12 +165,15 @@ def test_prepare_default_block_sizes_fit_head_dim():
 
 
 def test_scan_default_block_sizes():
-    """C <= 32: BV 32 with three stages; C = 64: two stages, BV halved from 64 down to 16 until
-    there are >= 256 programs (H200 measurements in `ScanBlockSizes.default_for`)."""
+    """BV 64 with two stages once that makes >= 256 programs; fewer programs: BV 32 with three
+    stages at C <= 32, and at C = 64 two stages with BV halved down to 16 until there are 256
+    (H200 measurements in `ScanBlockSizes.default_for`)."""
     for chunk in (16, 32):
         assert ScanBlockSizes.default_for(1, 32, 128, chunk) == ScanBlockSizes(32, 4, 3)
-    assert ScanBlockSizes.default_for(1, 32, 16, 32).block_v == 16
+        assert ScanBlockSizes.default_for(4, 32, 128, chunk) == ScanBlockSizes(64, 4, 2)
+    assert ScanBlockSizes.default_for(1, 32, 16, 32) == ScanBlockSizes(16, 4, 3)
     assert ScanBlockSizes.default_for(1, 32, 128, 64) == ScanBlockSizes(16, 4, 2)
+    assert ScanBlockSizes.default_for(2, 32, 128, 64) == ScanBlockSizes(32, 4, 2)
     assert ScanBlockSizes.default_for(4, 32, 128, 64) == ScanBlockSizes(64, 4, 2)
 
 
