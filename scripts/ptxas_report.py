@@ -32,15 +32,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from conftest import lower_for_h200  # noqa: E402
 
 from kda_jax import forward  # noqa: E402
-from kda_jax.config import preset  # noqa: E402
+from kda_jax.config import DEFAULT_CHUNK, preset  # noqa: E402
 from kda_jax.params import init_params  # noqa: E402
 from kda_jax.state import KdaState  # noqa: E402
 from pallas_kernels.chunk_prepare import ChunkIntermediates, chunk_prepare  # noqa: E402
 from pallas_kernels.chunk_scan import chunk_scan  # noqa: E402
 
 BF16 = jnp.bfloat16
-# Kimi-Linear head geometry; one chunk is enough for the code ptxas sees.
-B, T, H, K, C = 1, 128, 32, 128, 64
+# Kimi-Linear head geometry at the default chunk width; a few chunks are enough for the code
+# ptxas sees (B = 1: the scan's tiling for one sequence, ScanBlockSizes.default_for).
+B, T, H, K, C = 1, 128, 32, 128, DEFAULT_CHUNK
 
 
 def _prepare(lower_bound):

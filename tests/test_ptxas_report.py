@@ -13,9 +13,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import ptxas_report  # noqa: E402
 
 from pallas_kernels.chunk_prepare import PrepareBlockSizes  # noqa: E402
+from pallas_kernels.chunk_scan import ScanBlockSizes  # noqa: E402
 
 # The launch parameters each kernel must carry: the block sizes' defaults at K = V = 128.
 _BLK = PrepareBlockSizes.default_for(128, 128)
+_SCAN = ScanBlockSizes.default_for(ptxas_report.B, ptxas_report.H, ptxas_report.K, ptxas_report.C)
 _PREPARE = [
     ("kda_chunk_prepare", _BLK.num_warps, _BLK.num_stages),
     ("kda_chunk_wu", _BLK.wu_warps, _BLK.wu_stages),
@@ -25,7 +27,7 @@ _PREPARE = [
 @pytest.mark.parametrize(
     "case, kernels",
     [
-        ("scan", [("kda_chunk_scan", 4, 2)]),
+        ("scan", [("kda_chunk_scan", _SCAN.num_warps, _SCAN.num_stages)]),
         ("prepare-bounded", _PREPARE),
         ("prepare-unbounded", [("kda_chunk_diag", _BLK.diag_warps, 1), *_PREPARE]),
     ],
