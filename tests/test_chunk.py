@@ -24,7 +24,7 @@ from pallas_kernels.chunk_prepare import (
     _chunk_prepare,
     chunk_prepare,
 )
-from pallas_kernels.chunk_scan import ScanBlockSizes, chunk_scan
+from pallas_kernels.chunk_scan import ScanBlockSizes, _chunk_scan, chunk_scan
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 EPS = 1e-5
@@ -266,6 +266,19 @@ def test_scan_matches_reference(rng, mm_dtype):
     tol = FP32_TOL if mm_dtype == f32 else TOL["bf16_stage"]
     assert_close(o, o_ref, tol, "chunk_scan o")
     assert_close(s, s_ref, tol, "chunk_scan state")
+
+
+@pytest.mark.parametrize("blk", [ScanBlockSizes(16, 4, 2), ScanBlockSizes(32, 4, 3)])
+def test_scan_tilings_match_reference(rng, blk):
+    """Both kinds of default tiling (V split into tiles; the whole V in one tile, three stages)
+    give the reference's o and state at C = 32 from a carried state."""
+    inp = _inputs(rng)
+    kw = dict(scale=K**-0.5, chunk=32, lower_bound=-5.0, mm_dtype=f32)
+    inter = ChunkIntermediates(*ref.chunk_prepare_reference(*_prep_args(inp), **kw))
+    o, s = _chunk_scan(inter, inp[6], t=T, out_dtype=f32, blk=blk)
+    o_ref, s_ref = ref.chunk_scan_reference(*inter, inp[6], t=T)
+    assert_close(o, o_ref, FP32_TOL, "chunk_scan o")
+    assert_close(s, s_ref, FP32_TOL, "chunk_scan state")
 
 
 def test_scan_rejects_bad_state(rng):
