@@ -61,7 +61,7 @@ class ScanBlockSizes:
           end of a trip and waited on at the top of the next, so their latency is paid every
           trip. 2026-12-02, B=1, T=8192, C = 32: 341.1 us against 561.4 for BV 16 with 2
           stages; BV 16 with 3 stages 428.6, at 2 warps 388.6; BV 32 with 4 stages 356.1, at 8
-          warps 476.9 (two jobs).
+          warps 476.9 (two jobs). C = 16 takes the same tiling (not timed).
         - Fewer programs, C = 64: two chunks' loads fit beside each other for one program per
           SM only (BV 16 with 3 stages: 520 against 388 us), so 2 stages, and BV halved down to
           16 until there are >= 256 programs (2026-12-01, B=1, T=8192: BV 16 375 us against
