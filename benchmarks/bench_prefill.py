@@ -266,12 +266,11 @@ def main():
     meta = common.meta()
     reps = 3 if args.quick else 5
     records = common.Records(args.out)
-    shapes = args.shapes
     if not args.block_only:
         gates = set(args.gates.split(","))
         if not gates <= {"bounded", "unbounded"}:
             parser.error(f"--gates: expected bounded and/or unbounded, got {args.gates!r}")
-        bench_core(shapes, 20, reps, records, meta, chunks=args.chunks, gates=gates)
+        bench_core(args.shapes, 20, reps, records, meta, chunks=args.chunks, gates=gates)
     if not args.core_only:
         cfg = preset("kimi-linear-48b")
         params = init_params(cfg, jax.random.key(0), jnp.bfloat16)

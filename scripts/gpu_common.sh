@@ -24,3 +24,7 @@ tree() {  # tree NAME: a copy of this tree with benchmarks/wip/NAME.patch applie
   (cd "$dir" && patch -s -p1 < "benchmarks/wip/$1.patch") || return 1
   echo "$dir"
 }
+
+pack() {  # pack: every log and JSON under $OUT into $OUT/all.tgz (few files come back per call)
+  (cd "$OUT" && tar czf all.tgz ./*.log ./*.json 2>/dev/null)
+}

@@ -8,7 +8,6 @@ set -uo pipefail
 : "${KDA_COMMIT:?pass the commit as a literal}"
 export KDA_COMMIT
 source scripts/gpu_common.sh
-pack() { (cd "$OUT" && tar czf all.tgz ./*.log ./*.json 2>/dev/null); }
 for gate in bounded unbounded; do
   run "$base" "kernels_$gate" 150 python3 benchmarks/stage_profile.py --kernels --skip-core \
     --chunk 32 --gates "$gate" --configs none --scan-configs none --out "$OUT/kernels_$gate.json"
