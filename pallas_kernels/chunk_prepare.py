@@ -190,88 +190,89 @@ def _apply_t(t_full, out_ref, part, block_k: int):
 def _diag_pairwise_kernel(
     len_ref, q_ref, k_ref, f_ref, ea_ref, dt_ref, a_ref, l_ref, *, lower_bound, l2_eps
 ):
-    """One (sequence, sub-block, head) of the unbounded gate: the diagonal block's scores pair by
-    pair, one key column j at a time, from block-local cumulative sums Gl:
-    a[i, j] = sum_d q_id k_jd exp(Gl_id - Gl_jd), l[i, j] the same with k_i, for j <= i (mask
-    applied before `exp`: exact at any decay strength), 0 above.
+    """One (sequence, sub-block, head) of the unbounded gate: the diagonal block's scores
+    a[i, j] = sum_d q_id k_jd exp(G_id - G_jd) and l[i, j] (the same with k_i) for j <= i, exact
+    at any decay strength; 0 above the diagonal.
 
-    The block's rows are held as tiles of `_DIAG_TILE_ROWS` rows and K as slices of
-    `_DIAG_SLICE` columns (one warp, no cross-warp reductions). Key column j of tile c is picked
-    from tile c alone (a masked sum over its few rows) and meets tile c (masked, rows i >= j) and
-    the later tiles (all rows live) only: the earlier tiles' rows i < j are never formed.
-    Exponentials are `exp2` of sums kept in log2 units (one ex2, where `exp` costs about ten
-    instructions). A later tile's sums continue from the exact last row of the one before, so
-    every exponent formed is <= 0 (the sums only decrease).
+    A walk down the block's rows, one query row i per step (loaded as a [K] vector, its gate
+    computed once and added to a running sum, in log2 units), in two halves of sub/2 rows:
+    - each half keeps its key rows and their sums as [sub/2, K] tiles, row i set in step i, and
+      forms exp2(Gl_i - Gl_j) for its own keys j <= i (mask before `exp2`: exponents <= 0);
+    - the second half meets the first half's keys through the reference m = sub/2 - 1 (the
+      first half's last row): exp2(Gl_i - Gl_m) exp2(Gl_m - Gl_j), both factors <= 1 since
+      j <= m < i (the sums only decrease), so that quadrant costs one [K] exp2 per row, the
+      first half's keys scaled by their factor once.
+    Each step stores row i of both outputs (two sub/2-column parts). No key row is picked out
+    of a register tile and no [sub, sub] accumulator is kept: the reductions are over K only.
 
     A kernel of its own (many small programs, few registers: latency hidden by occupancy) rather
-    than a phase of `_chunk_prepare_kernel`, where the same loop measured 1.85 ms at B=1, T=8192.
+    than a phase of `_chunk_prepare_kernel`, where a pairwise loop measured 1.85 ms at B=1,
+    T=8192.
     len_ref: [Bp]; q_ref, k_ref, f_ref: [sub, K]; ea_ref, dt_ref: [K]; a_ref, l_ref: [sub, sub].
     """
     sub, kd = q_ref.shape
-    rt = min(sub, _DIAG_TILE_ROWS)
-    nt, width = sub // rt, min(kd, _DIAG_SLICE)
-    seq, blk = pl.program_id(0), pl.program_id(1)
-    rid = lax.broadcasted_iota(jnp.int32, (rt, 1), 0)  # row within a tile
-    col_ids = lax.broadcasted_iota(jnp.int32, (1, sub), 1)
-    oks = [blk * sub + t * rt + rid < len_ref[seq] for t in range(nt)]
+    half = sub // 2
+    row0 = pl.program_id(1) * sub
+    length = len_ref[pl.program_id(0)]
+    cid = lax.broadcasted_iota(jnp.int32, (1, half), 1)  # key column of the [K, sub/2] tiles
+    ea = ea_ref[...].astype(f32)
+    dt = dt_ref[...].astype(f32)
+    zero = jnp.zeros((half,), f32)
 
-    def load(ref, t, s):
-        cols = pl.ds(s * width, width)
-        return plt.load(ref.at[pl.ds(t * rt, rt), cols], mask=oks[t], other=0.0).astype(f32)
-
-    def over_slices(body, carry):
-        return lax.fori_loop(0, kd // width, body, carry)
-
-    if l2_eps is None:
-        rq = rk = nt * (1.0,)
-    else:
-        sums = over_slices(
-            lambda s, acc: tuple(
-                acc[i] + jnp.sum(jnp.square(load(ref, t, s)), axis=1, keepdims=True)
-                for i, (ref, t) in enumerate((r, t) for r in (q_ref, k_ref) for t in range(nt))
-            ),
-            2 * nt * (jnp.zeros((rt, 1), f32),),
+    def row(i):
+        """Query/key row i (normalised, 0 at pads) and its gate in log2 units (0 at pads)."""
+        ok = row0 + i < length
+        q, k, f = (
+            plt.load(r.at[i, :], mask=ok, other=0.0).astype(f32) for r in (q_ref, k_ref, f_ref)
         )
-        inv = [lax.rsqrt(x + l2_eps) for x in sums]
-        rq, rk = inv[:nt], inv[nt:]
+        if l2_eps is not None:
+            q = q * lax.rsqrt(jnp.sum(q * q) + l2_eps)
+            k = k * lax.rsqrt(jnp.sum(k * k) + l2_eps)
+        g = jnp.where(ok, gate_math(f + dt, ea, lower_bound), 0.0) * _LOG2E
+        return q, k, g
 
-    def one_slice(s, accs):
-        cols = pl.ds(s * width, width)
-        ea = ea_ref[cols].astype(f32)[None, :]
-        dt = dt_ref[cols].astype(f32)[None, :]
-        qs = [load(q_ref, t, s) * rq[t] for t in range(nt)]
-        ks = [load(k_ref, t, s) * rk[t] for t in range(nt)]
-        gls, base = [], None
-        for t in range(nt):
-            g = jnp.where(oks[t], gate_math(load(f_ref, t, s) + dt, ea, lower_bound), 0.0)
-            gl = jnp.cumsum(g * _LOG2E, axis=0)
-            gls.append(gl if base is None else base + gl)
-            base = jnp.sum(jnp.where(rid == rt - 1, gls[t], 0.0), axis=0, keepdims=True)
+    def own_keys(r, q, k, gl, keys, sums):
+        """Row r of this half's tiles set to the current row; its scores against the half's keys
+        up to it."""
+        keys = jnp.where(cid == r, k[:, None], keys)
+        sums = jnp.where(cid == r, gl[:, None], sums)
+        ke = keys * jnp.exp2(jnp.where(cid <= r, gl[:, None] - sums, -jnp.inf))
+        return keys, sums, jnp.sum(ke * q[:, None], axis=0), jnp.sum(ke * k[:, None], axis=0)
 
-        for c in range(nt):
+    def store(i, part, a, lk):
+        cols = pl.ds(part * half, half)
+        a_ref[i, cols] = a
+        l_ref[i, cols] = lk
 
-            def column(jj, accs, c=c):
-                pick = rid == jj  # key row by a masked sum over tile c's rows (exact)
-                k_j = jnp.sum(jnp.where(pick, ks[c], 0.0), axis=0, keepdims=True)
-                gl_j = jnp.sum(jnp.where(pick, gls[c], 0.0), axis=0, keepdims=True)
-                sel = col_ids == c * rt + jj
-                out = list(accs)
-                for t in range(c, nt):
-                    d = gls[t] - gl_j
-                    ke = k_j * jnp.exp2(jnp.where(rid >= jj, d, -jnp.inf) if t == c else d)
-                    a_col = jnp.sum(qs[t] * ke, axis=1, keepdims=True)
-                    l_col = jnp.sum(ks[t] * ke, axis=1, keepdims=True)
-                    out[t] = jnp.where(sel, out[t] + a_col, out[t])
-                    out[nt + t] = jnp.where(sel, out[nt + t] + l_col, out[nt + t])
-                return tuple(out)
+    def first(i, carry):
+        gl, keys, sums = carry
+        q, k, g = row(i)
+        gl = gl + g
+        keys, sums, a, lk = own_keys(i, q, k, gl, keys, sums)
+        store(i, 0, a, lk)
+        store(i, 1, zero, zero)
+        return gl, keys, sums
 
-            accs = lax.fori_loop(0, rt, column, accs)
-        return accs
+    tile = jnp.zeros((kd, half), f32)
+    gl_m, keys0, sums0 = lax.fori_loop(0, half, first, (jnp.zeros((kd,), f32), tile, tile))
+    keys0 = keys0 * jnp.exp2(gl_m[:, None] - sums0)  # k_j exp2(Gl_m - Gl_j), j <= m
 
-    accs = over_slices(one_slice, 2 * nt * (jnp.zeros((rt, sub), f32),))
-    for t in range(nt):
-        a_ref[pl.ds(t * rt, rt), :] = accs[t]
-        l_ref[pl.ds(t * rt, rt), :] = accs[nt + t]
+    def second(i, carry):
+        gl, keys, sums = carry
+        q, k, g = row(i)
+        gl = gl + g
+        keys, sums, a, lk = own_keys(i - half, q, k, gl, keys, sums)
+        store(i, 1, a, lk)
+        e = jnp.exp2(gl - gl_m)[:, None]  # exp2(Gl_i - Gl_m) <= 1
+        store(
+            i,
+            0,
+            jnp.sum(keys0 * (q[:, None] * e), axis=0),
+            jnp.sum(keys0 * (k[:, None] * e), axis=0),
+        )
+        return gl, keys, sums
+
+    lax.fori_loop(half, sub, second, (gl_m, tile, tile))
 
 
 def _chunk_prepare_kernel(
