@@ -219,16 +219,18 @@ def _diag_pairwise_kernel(
     dt = dt_ref[...].astype(f32)
     zero = jnp.zeros((half,), f32)
 
-    def row(i):
-        """Query/key row i (normalised, 0 at pads) and its gate in log2 units (0 at pads)."""
-        ok = row0 + i < length
-        q, k, f = (
-            plt.load(r.at[i, :], mask=ok, other=0.0).astype(f32) for r in (q_ref, k_ref, f_ref)
-        )
+    def fetch(i):
+        """Row i of q, k and f as loaded (0 at pads and past the block)."""
+        ok, at = (i < sub) & (row0 + i < length), jnp.minimum(i, sub - 1)
+        return tuple(plt.load(r.at[at, :], mask=ok, other=0.0) for r in (q_ref, k_ref, f_ref))
+
+    def finish(i, raw):
+        """Row i normalised, and its gate in log2 units (0 at pads)."""
+        q, k, f = (x.astype(f32) for x in raw)
         if l2_eps is not None:
             q = q * lax.rsqrt(jnp.sum(q * q) + l2_eps)
             k = k * lax.rsqrt(jnp.sum(k * k) + l2_eps)
-        g = jnp.where(ok, gate_math(f + dt, ea, lower_bound), 0.0) * _LOG2E
+        g = jnp.where(row0 + i < length, gate_math(f + dt, ea, lower_bound), 0.0) * _LOG2E
         return q, k, g
 
     def own_keys(r, q, k, gl, keys, sums):
@@ -245,21 +247,25 @@ def _diag_pairwise_kernel(
         l_ref[i, cols] = lk
 
     def first(i, carry):
-        gl, keys, sums = carry
-        q, k, g = row(i)
+        gl, keys, sums, raw = carry
+        q, k, g = finish(i, raw)
+        raw = fetch(i + 1)  # the next row's loads in flight during this row's work
         gl = gl + g
         keys, sums, a, lk = own_keys(i, q, k, gl, keys, sums)
         store(i, 0, a, lk)
         store(i, 1, zero, zero)
-        return gl, keys, sums
+        return gl, keys, sums, raw
 
     tile = jnp.zeros((kd, half), f32)
-    gl_m, keys0, sums0 = lax.fori_loop(0, half, first, (jnp.zeros((kd,), f32), tile, tile))
+    gl_m, keys0, sums0, raw = lax.fori_loop(
+        0, half, first, (jnp.zeros((kd,), f32), tile, tile, fetch(0))
+    )
     keys0 = keys0 * jnp.exp2(gl_m[:, None] - sums0)  # k_j exp2(Gl_m - Gl_j), j <= m
 
     def second(i, carry):
-        gl, keys, sums = carry
-        q, k, g = row(i)
+        gl, keys, sums, raw = carry
+        q, k, g = finish(i, raw)
+        raw = fetch(i + 1)
         gl = gl + g
         keys, sums, a, lk = own_keys(i - half, q, k, gl, keys, sums)
         store(i, 1, a, lk)
@@ -270,9 +276,9 @@ def _diag_pairwise_kernel(
             jnp.sum(keys0 * (q[:, None] * e), axis=0),
             jnp.sum(keys0 * (k[:, None] * e), axis=0),
         )
-        return gl, keys, sums
+        return gl, keys, sums, raw
 
-    lax.fori_loop(half, sub, second, (gl_m, tile, tile))
+    lax.fori_loop(half, sub, second, (gl_m, tile, tile, raw))
 
 
 def _chunk_prepare_kernel(
