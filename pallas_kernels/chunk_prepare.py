@@ -14,10 +14,11 @@ products per chunk and nothing else:
 
 Structure (registers decide the speed here: the first version held the [C, K] chunk and whole
 [sub, sub] tile sets in registers, spilled, and ran 2-3x slower):
-  0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs of one
-     warp, two 8-row tiles): the diagonal [sub, sub] blocks of A and L pairwise (see Decay
-     safety); in the main kernel the same loop cost 1.85 of 3.25 ms (H200, B=1, T=8192), in
-     this kernel 431 us.
+  0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs of two
+     warps walking the block's rows): the diagonal [sub, sub] blocks of A and L pairwise (see
+     Decay safety); in the main kernel a pairwise loop cost 1.85 of 3.25 ms (H200, B=1,
+     T=8192), in this kernel ~430 us (three structures measured within 2% of each other,
+     benchmarks/NOTES.md, session 14).
   1. G = chunk cumsum of the gate, per column slice of `block_k`, into a fp32 scratch output
      (private to the program until the w/u kernel reads it), with qg, kg and exp(G_last)
      written on the way.
@@ -77,8 +78,6 @@ HI = lax.Precision.HIGHEST
 # Largest masked-out exponent the factorised diagonal may form (fp32 exp overflows past 88).
 _FACTORISED_MAX_NATS = 80.0
 _LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2 e)
-# Widest K slice of the diagonal kernel's one-warp tiles ([sub, 32] fp32: 16 registers each).
-_DIAG_SLICE = 32
 
 
 class ChunkIntermediates(NamedTuple):
@@ -109,11 +108,10 @@ class PrepareBlockSizes:
       num_stages: Triton software-pipelining depth of the slice loops' loads (ptxas, sm_90a,
         at block_k 16: 2 -> 142 registers and 13 KB of shared memory for the pipelined loads, 3
         programs/SM; 1 -> 128 registers, 4 programs/SM).
-      diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel (1:
-        its [8, 64] tiles then need no cross-warp reductions; ptxas at sm_90a: 244 registers,
-        no spills. H200, 2026-12-01, B=1, T=8192, one job: the kernel 430.9 us against 617.6
-        for the one-tile kernel it replaced at 2 warps; the stage 1317.2 us at 1 warp, 1514.1
-        at 2).
+      diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel (2;
+        ptxas at sm_90a: 158 registers, 6 programs/SM; 225 at 1 warp. H200, 2026-12-02, B=1,
+        T=8192, C = 32, one job: the stage 1096.0 us at 2 warps, 1131.4 at 1, 1124.7 for the
+        previous kernel at 1 warp; at 4 warps 1140.6 in another job).
       wu_block_k, wu_warps, wu_stages: block_k, num_warps and num_stages of the w/u kernel.
     The other defaults are the fastest of one H200 job (2026-12-01, B=1, T=8192, H=32, the
     stage alone, all else at the old defaults 16 x 4 x 1, diag_warps 4, wu 16 x 4 x 1):
@@ -127,7 +125,7 @@ class PrepareBlockSizes:
     block_k: int = 32
     num_warps: int = 4
     num_stages: int = 2
-    diag_warps: int = 1
+    diag_warps: int = 2
     wu_block_k: int = 64
     wu_warps: int = 4
     wu_stages: int = 1
@@ -185,90 +183,98 @@ def _apply_t(t_full, out_ref, part, block_k: int):
     lax.fori_loop(0, out_ref.shape[1] // block_k, body, 0)
 
 
-def _split3(x):
-    """x (fp32) as three bf16 parts whose fp32 sum is x (8 + 8 + 8 significant bits)."""
-    hi = x.astype(jnp.bfloat16)
-    rest = x - hi.astype(f32)
-    mid = rest.astype(jnp.bfloat16)
-    return hi, mid, (rest - mid.astype(f32)).astype(jnp.bfloat16)
-
-
-def _diag_block_kernel(
+def _diag_pairwise_kernel(
     len_ref, q_ref, k_ref, f_ref, ea_ref, dt_ref, a_ref, l_ref, *, lower_bound, l2_eps
 ):
     """One (sequence, sub-block, head) of the unbounded gate: the diagonal block's scores
     a[i, j] = sum_d q_id k_jd exp(G_id - G_jd) and l[i, j] (the same with k_i) for j <= i, exact
     at any decay strength; 0 above the diagonal.
 
-    Every pair j < i of the block splits at one level of a halving: at half-width h (8, 4, 2, 1
-    for sub = 16) rows i and j lie in the same 2h-row group, i in its upper half and j in its
-    lower half. Through that group's reference row m (the lower half's last, j <= m < i):
-        exp(G_i - G_j) = exp(G_i - G_m) exp(G_m - G_j),   both factors <= 1,
-    so the level's pairs are one product of [sub, K] tiles, (q e) (k e)^T with e = exp2(X) and
-    X = G_i - G_m on upper rows, G_m - G_j on lower rows: sums of the gate over at most h rows,
-    formed exactly as M_h @ g (0/1 matrix M_h, g split into three bf16 parts, fp32 sums). Every
-    exponent is <= 0 (the gate is), so nothing overflows at any decay strength, and a factor
-    underflows only where the product is below fp32's range anyway. The diagonal j = i is
-    sum_d q_id k_id. The score products take fp32 tiles at the default (TF32) precision, as the
-    main kernel's off-diagonal blocks do.
+    A walk down the block's rows, one query row i per step (loaded as a [K] vector, its gate
+    computed once and added to a running sum, in log2 units), in two halves of sub/2 rows:
+    - each half keeps its key rows and their sums as [sub/2, K] tiles, row i set in step i, and
+      forms exp2(Gl_i - Gl_j) for its own keys j <= i (mask before `exp2`: exponents <= 0);
+    - the second half meets the first half's keys through the reference m = sub/2 - 1 (the
+      first half's last row): exp2(Gl_i - Gl_m) exp2(Gl_m - Gl_j), both factors <= 1 since
+      j <= m < i (the sums only decrease), so that quadrant costs one [K] exp2 per row, the
+      first half's keys scaled by their factor once.
+    Each step stores row i of both outputs (two sub/2-column parts). No key row is picked out
+    of a register tile and no [sub, sub] accumulator is kept: the reductions are over K only.
 
-    A kernel of its own (many small programs: latency hidden by occupancy) rather than a phase
-    of `_chunk_prepare_kernel`, where a pairwise loop measured 1.85 ms at B=1, T=8192.
+    A kernel of its own (many small programs, few registers: latency hidden by occupancy) rather
+    than a phase of `_chunk_prepare_kernel`, where a pairwise loop measured 1.85 ms at B=1,
+    T=8192.
     len_ref: [Bp]; q_ref, k_ref, f_ref: [sub, K]; ea_ref, dt_ref: [K]; a_ref, l_ref: [sub, sub].
     """
     sub, kd = q_ref.shape
-    width = min(kd, _DIAG_SLICE)
-    row = lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
-    ok = pl.program_id(1) * sub + row < len_ref[pl.program_id(0)]
-    rows, cols = _rows_and_cols(sub)
+    half = sub // 2
+    row0 = pl.program_id(1) * sub
+    length = len_ref[pl.program_id(0)]
+    cid = lax.broadcasted_iota(jnp.int32, (1, half), 1)  # key column of the [K, sub/2] tiles
+    ea = ea_ref[...].astype(f32)
+    dt = dt_ref[...].astype(f32)
+    zero = jnp.zeros((half,), f32)
 
-    def load(ref, s):
-        return plt.load(ref.at[:, pl.ds(s * width, width)], mask=ok, other=0.0).astype(f32)
+    def fetch(i):
+        """Row i of q, k and f as loaded (0 at pads and past the block)."""
+        ok, at = (i < sub) & (row0 + i < length), jnp.minimum(i, sub - 1)
+        return tuple(plt.load(r.at[at, :], mask=ok, other=0.0) for r in (q_ref, k_ref, f_ref))
 
-    def over_slices(body, carry):
-        return lax.fori_loop(0, kd // width, body, carry)
+    def finish(i, raw):
+        """Row i normalised, and its gate in log2 units (0 at pads)."""
+        q, k, f = (x.astype(f32) for x in raw)
+        if l2_eps is not None:
+            q = q * lax.rsqrt(jnp.sum(q * q) + l2_eps)
+            k = k * lax.rsqrt(jnp.sum(k * k) + l2_eps)
+        g = jnp.where(row0 + i < length, gate_math(f + dt, ea, lower_bound), 0.0) * _LOG2E
+        return q, k, g
 
-    if l2_eps is None:
-        rq = rk = 1.0
-    else:
-        sq = over_slices(
-            lambda s, acc: tuple(
-                x + jnp.sum(jnp.square(load(r, s)), axis=1, keepdims=True)
-                for x, r in zip(acc, (q_ref, k_ref), strict=True)
-            ),
-            2 * (jnp.zeros((sub, 1), f32),),
+    def own_keys(r, q, k, gl, keys, sums):
+        """Row r of this half's tiles set to the current row; its scores against the half's keys
+        up to it."""
+        keys = jnp.where(cid == r, k[:, None], keys)
+        sums = jnp.where(cid == r, gl[:, None], sums)
+        ke = keys * jnp.exp2(jnp.where(cid <= r, gl[:, None] - sums, -jnp.inf))
+        return keys, sums, jnp.sum(ke * q[:, None], axis=0), jnp.sum(ke * k[:, None], axis=0)
+
+    def store(i, part, a, lk):
+        cols = pl.ds(part * half, half)
+        a_ref[i, cols] = a
+        l_ref[i, cols] = lk
+
+    def first(i, carry):
+        gl, keys, sums, raw = carry
+        q, k, g = finish(i, raw)
+        raw = fetch(i + 1)  # the next row's loads in flight during this row's work
+        gl = gl + g
+        keys, sums, a, lk = own_keys(i, q, k, gl, keys, sums)
+        store(i, 0, a, lk)
+        store(i, 1, zero, zero)
+        return gl, keys, sums, raw
+
+    tile = jnp.zeros((kd, half), f32)
+    gl_m, keys0, sums0, raw = lax.fori_loop(
+        0, half, first, (jnp.zeros((kd,), f32), tile, tile, fetch(0))
+    )
+    keys0 = keys0 * jnp.exp2(gl_m[:, None] - sums0)  # k_j exp2(Gl_m - Gl_j), j <= m
+
+    def second(i, carry):
+        gl, keys, sums, raw = carry
+        q, k, g = finish(i, raw)
+        raw = fetch(i + 1)
+        gl = gl + g
+        keys, sums, a, lk = own_keys(i - half, q, k, gl, keys, sums)
+        store(i, 1, a, lk)
+        e = jnp.exp2(gl - gl_m)[:, None]  # exp2(Gl_i - Gl_m) <= 1
+        store(
+            i,
+            0,
+            jnp.sum(keys0 * (q[:, None] * e), axis=0),
+            jnp.sum(keys0 * (k[:, None] * e), axis=0),
         )
-        rq, rk = (lax.rsqrt(x + l2_eps) for x in sq)
+        return gl, keys, sums, raw
 
-    def one_slice(s, accs):
-        acc_a, acc_l = accs
-        q, k = load(q_ref, s) * rq, load(k_ref, s) * rk
-        cut = pl.ds(s * width, width)
-        ea, dt = ea_ref[cut].astype(f32)[None, :], dt_ref[cut].astype(f32)[None, :]
-        g = jnp.where(ok, gate_math(load(f_ref, s) + dt, ea, lower_bound), 0.0) * _LOG2E
-        g_parts = _split3(g)
-        acc_a += jnp.where(rows == cols, jnp.sum(q * k, axis=1, keepdims=True), 0.0)
-        h = sub // 2
-        while h:  # the levels, unrolled
-            group = rows // (2 * h)
-            ref = group * (2 * h) + h - 1  # the reference row m of row i's group
-            m_h = ((ref < cols) & (cols <= rows)) | ((rows < cols) & (cols <= ref))
-            m_h = m_h.astype(jnp.bfloat16)
-            x = sum(jnp.dot(m_h, p, preferred_element_type=f32) for p in g_parts)  # <= 0
-            e = jnp.exp2(x)
-            up = row % (2 * h) >= h  # [sub, 1]
-            qe, ke = jnp.where(up, q * e, 0.0), jnp.where(up, k * e, 0.0)
-            kf = jnp.where(up, 0.0, k * e)
-            pair = (rows % (2 * h) >= h) & (group == cols // (2 * h)) & (cols % (2 * h) < h)
-            acc_a += jnp.where(pair, _dot_nt(qe, kf), 0.0)
-            acc_l += jnp.where(pair, _dot_nt(ke, kf), 0.0)
-            h //= 2
-        return acc_a, acc_l
-
-    zeros = jnp.zeros((sub, sub), f32)
-    acc_a, acc_l = over_slices(one_slice, (zeros, zeros))
-    a_ref[...] = acc_a
-    l_ref[...] = acc_l
+    lax.fori_loop(half, sub, second, (gl_m, tile, tile, raw))
 
 
 def _chunk_prepare_kernel(
@@ -298,7 +304,7 @@ def _chunk_prepare_kernel(
 
     len_ref: [Bp] int32; q_ref, k_ref, f_ref: [C, K]; b_ref: [C]; ea_ref (exp A_log
     broadcast over K), dt_ref: [K]; diag_a_ref, diag_l_ref: [C, sub] fp32, the diagonal blocks'
-    scores from `_diag_block_kernel` (unbounded gate; unused otherwise).
+    pairwise scores from `_diag_pairwise_kernel` (unbounded gate; unused otherwise).
     Outputs: qg_ref, kg_ref: [C, K]; a_ref: [C, C]; gl_ref: [1, K]. Scratch outputs, private to
     this program until `_chunk_wu_kernel` reads them (fp32): l_scr_ref [C, 2C] holds L then T
     (columns C..2C) and, at the end, beta/||k|| and beta in columns 0 and 1; g_scr_ref [C, K]
@@ -605,7 +611,7 @@ def _chunk_prepare(
         diag_shape = jax.ShapeDtypeStruct((bsz, h, tp, sub), f32)
         sub_tok = pl.BlockSpec((None, sub, None, kd), lambda s, i, hh: (s, i, hh, 0))
         diag_a, diag_l = pl.pallas_call(
-            functools.partial(_diag_block_kernel, lower_bound=lower_bound, l2_eps=l2_eps),
+            functools.partial(_diag_pairwise_kernel, lower_bound=lower_bound, l2_eps=l2_eps),
             out_shape=(diag_shape, diag_shape),
             grid=(bsz, tp // sub, h),
             in_specs=[
