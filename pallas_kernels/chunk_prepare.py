@@ -43,9 +43,10 @@ fp32 overflow. Rows of sub-block b use the reference r = b*sub (the block's firs
 exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), the mask applied before `exp`, both factors
 <= 1 for columns j < r. With a bounded gate far from overflow ((sub - 1) |lb| <= 80 nats, e.g.
 lb = -5) the block's own columns are taken the same way (the second factor stays below e^80).
-Otherwise (unbounded gate) the diagonal block is computed pairwise by `kda_chunk_diag`, one key
-column at a time, from block-local cumulative sums Gl (in log2 units): exp2(Gl_i - Gl_j) with
-the mask before `exp2`, exact at any decay strength.
+Otherwise (unbounded gate) the diagonal block is computed by `kda_chunk_diag`, one query row at
+a time, from block-local cumulative sums Gl (in log2 units): exp2(Gl_i - Gl_j) with the mask
+before `exp2` within each half of the block, and through the first half's last row m between
+the halves (exp2(Gl_i - Gl_m) exp2(Gl_m - Gl_j), both <= 1), exact at any decay strength.
 T is built block by block: the diagonal [sub, sub] inverses as (I - L)(I + L^2)(I + L^4)(I + L^8)
 plus one Newton step (as accurate as an fp32 triangular solve, measured against float64), the
 off-diagonal blocks by T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ (full fp32 dots, no TF32).
