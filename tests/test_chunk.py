@@ -111,6 +111,17 @@ def test_prepare_matches_reference(rng, chunk, lower_bound):
         assert_close(g, w, FP32_TOL, f"chunk_prepare.{name}")
 
 
+def test_prepare_diagonal_at_block_edges(rng):
+    """The unbounded gate's diagonal kernel where a sequence ends at its edges: one token, at
+    the end of the first half of a 16-row block, at the end of a block, one token past it."""
+    args = _prep_args(_inputs(rng, b=4, lengths=[1, 8, 16, 17]))
+    kw = dict(scale=K**-0.5, chunk=16, lower_bound=None, mm_dtype=f32)
+    got = chunk_prepare(*args, **kw)
+    want = ChunkIntermediates(*ref.chunk_prepare_reference(*args, **kw))
+    for name in ChunkIntermediates._fields:
+        assert_close(getattr(got, name), getattr(want, name), FP32_TOL, f"chunk_prepare.{name}")
+
+
 def test_prepare_bf16_storage(rng):
     """bf16 inputs and intermediates (the production path) against the fp32-math reference."""
     args = _prep_args(_inputs(rng, dtype=bf16))
