@@ -17,7 +17,7 @@ Structure (registers decide the speed here: the first version held the [C, K] ch
   0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs of two
      warps walking the block's rows): the diagonal [sub, sub] blocks of A and L pairwise (see
      Decay safety); in the main kernel a pairwise loop cost 1.85 of 3.25 ms (H200, B=1,
-     T=8192), in this kernel ~430 us (three structures measured within 2% of each other,
+     T=8192), in this kernel 388 us at 2 warps (three structures at 1 warp measured 425-433,
      benchmarks/NOTES.md, session 14).
   1. G = chunk cumsum of the gate, per column slice of `block_k`, into a fp32 scratch output
      (private to the program until the w/u kernel reads it), with qg, kg and exp(G_last)
@@ -193,7 +193,7 @@ def _diag_pairwise_kernel(
 
     A walk down the block's rows, one query row i per step (loaded as a [K] vector, its gate
     computed once and added to a running sum, in log2 units), in two halves of sub/2 rows:
-    - each half keeps its key rows and their sums as [sub/2, K] tiles, row i set in step i, and
+    - each half keeps its key rows and their sums as [K, sub/2] tiles, row i set in step i, and
       forms exp2(Gl_i - Gl_j) for its own keys j <= i (mask before `exp2`: exponents <= 0);
     - the second half meets the first half's keys through the reference m = sub/2 - 1 (the
       first half's last row): exp2(Gl_i - Gl_m) exp2(Gl_m - Gl_j), both factors <= 1 since
@@ -243,15 +243,20 @@ def _diag_pairwise_kernel(
         a_ref[i, cols] = a
         l_ref[i, cols] = lk
 
-    def first(i, carry):
+    def advance(i, r, carry):
+        """Row i (row r of its half): its scores against its half's keys, the carry updated."""
         gl, keys, sums, raw = carry
         q, k, g = finish(i, raw)
         raw = fetch(i + 1)  # the next row's loads in flight during this row's work
         gl = gl + g
-        keys, sums, a, lk = own_keys(i, q, k, gl, keys, sums)
+        keys, sums, a, lk = own_keys(r, q, k, gl, keys, sums)
+        return q, k, a, lk, (gl, keys, sums, raw)
+
+    def first(i, carry):
+        _, _, a, lk, carry = advance(i, i, carry)
         store(i, 0, a, lk)
         store(i, 1, zero, zero)
-        return gl, keys, sums, raw
+        return carry
 
     tile = jnp.zeros((kd, half), f32)
     gl_m, keys0, sums0, raw = lax.fori_loop(
@@ -260,20 +265,16 @@ def _diag_pairwise_kernel(
     keys0 = keys0 * jnp.exp2(gl_m[:, None] - sums0)  # k_j exp2(Gl_m - Gl_j), j <= m
 
     def second(i, carry):
-        gl, keys, sums, raw = carry
-        q, k, g = finish(i, raw)
-        raw = fetch(i + 1)
-        gl = gl + g
-        keys, sums, a, lk = own_keys(i - half, q, k, gl, keys, sums)
+        q, k, a, lk, carry = advance(i, i - half, carry)
         store(i, 1, a, lk)
-        e = jnp.exp2(gl - gl_m)[:, None]  # exp2(Gl_i - Gl_m) <= 1
+        e = jnp.exp2(carry[0] - gl_m)[:, None]  # exp2(Gl_i - Gl_m) <= 1
         store(
             i,
             0,
             jnp.sum(keys0 * (q[:, None] * e), axis=0),
             jnp.sum(keys0 * (k[:, None] * e), axis=0),
         )
-        return gl, keys, sums, raw
+        return carry
 
     lax.fori_loop(half, sub, second, (gl_m, tile, tile, raw))
 
