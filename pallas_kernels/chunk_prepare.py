@@ -126,7 +126,8 @@ class PrepareBlockSizes:
     block_k: int = 32
     num_warps: int = 4
     num_stages: int = 2
-    diag_warps: int = 2
+    diag_warps: int = 4
+    diag_block_k: int = 16
     wu_block_k: int = 64
     wu_warps: int = 4
     wu_stages: int = 1
@@ -135,7 +136,11 @@ class PrepareBlockSizes:
     def default_for(k: int, v: int) -> PrepareBlockSizes:
         """The defaults, with both kernels' slices no wider than K and V (powers of two >= 16)."""
         d = PrepareBlockSizes
-        return d(block_k=min(d.block_k, k, v), wu_block_k=min(d.wu_block_k, k, v))
+        return d(
+            block_k=min(d.block_k, k, v),
+            diag_block_k=min(d.diag_block_k, k),
+            wu_block_k=min(d.wu_block_k, k, v),
+        )
 
 
 def _rows_and_cols(n: int):
@@ -185,22 +190,26 @@ def _apply_t(t_full, out_ref, part, block_k: int):
 
 
 def _diag_pairwise_kernel(
-    len_ref, q_ref, k_ref, f_ref, ea_ref, dt_ref, a_ref, l_ref, *, lower_bound, l2_eps
+    len_ref, q_ref, k_ref, f_ref, ea_ref, dt_ref, a_ref, l_ref, *, lower_bound, l2_eps, block_k
 ):
     """One (sequence, sub-block, head) of the unbounded gate: the diagonal block's scores
     a[i, j] = sum_d q_id k_jd exp(G_id - G_jd) and l[i, j] (the same with k_i) for j <= i, exact
     at any decay strength; 0 above the diagonal.
 
-    A walk down the block's rows, one query row i per step (loaded as a [K] vector, its gate
-    computed once and added to a running sum, in log2 units), in two halves of sub/2 rows:
-    - each half keeps its key rows and their sums as [K, sub/2] tiles, row i set in step i, and
-      forms exp2(Gl_i - Gl_j) for its own keys j <= i (mask before `exp2`: exponents <= 0);
-    - the second half meets the first half's keys through the reference m = sub/2 - 1 (the
-      first half's last row): exp2(Gl_i - Gl_m) exp2(Gl_m - Gl_j), both factors <= 1 since
-      j <= m < i (the sums only decrease), so that quadrant costs one [K] exp2 per row, the
-      first half's keys scaled by their factor once.
-    Each step stores row i of both outputs (two sub/2-column parts). No key row is picked out
-    of a register tile and no [sub, sub] accumulator is kept: the reductions are over K only.
+    Every pair at once, K in slices of `block_k` columns (a loop): the block's rows are loaded
+    as two halves of sub/2 rows, [sub/2, block_k] each, their gate cumulated down the rows
+    (`cumsum`, log2 units), and each slice adds its part of the sums to [sub/2, sub/2]
+    accumulators through [sub/2, sub/2, block_k] broadcasts reduced over the slice:
+    - within a half, exp2(Gl_i - Gl_j) for every pair (masked to j <= i before `exp2`, so the
+      exponents are <= 0);
+    - the second half against the first goes through the reference m = sub/2 - 1 (the first
+      half's last row): exp2(Gl_i - Gl_m) exp2(Gl_m - Gl_j), both factors <= 1 since
+      j <= m < i (the sums only decrease), so that quadrant is a product of rows scaled once.
+    The rows' L2 norms are summed over the slices too and applied to the accumulators at the
+    end (the scores are bilinear in q and k). No row depends on another row's work and no
+    register tile is indexed by row: the previous form, a walk down the rows with [K, sub/2]
+    key tiles, spent about 20 barriers a row in cross-warp reductions and layout conversions
+    (static SASS at 2 warps) and took 388 us at B=1, T=8192.
 
     A kernel of its own (many small programs, few registers: latency hidden by occupancy) rather
     than a phase of `_chunk_prepare_kernel`, where a pairwise loop measured 1.85 ms at B=1,
@@ -211,72 +220,60 @@ def _diag_pairwise_kernel(
     half = sub // 2
     row0 = pl.program_id(1) * sub
     length = len_ref[pl.program_id(0)]
-    cid = lax.broadcasted_iota(jnp.int32, (1, half), 1)  # key column of the [K, sub/2] tiles
-    ea = ea_ref[...].astype(f32)
-    dt = dt_ref[...].astype(f32)
-    zero = jnp.zeros((half,), f32)
+    row = lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
+    ok = row0 + row < length  # [sub, 1]
+    # Pair tiles are [block_k, 2 (half), sub/2 (i), sub/2 (j)], K first: Triton's default layout
+    # then keeps the reduced axis inside each thread (K last put it across the lanes: five
+    # shuffles per sum) and at 4 warps gives each thread one (half, i, j).
+    shape4 = (1, 2, half, half)
+    own = lax.broadcasted_iota(jnp.int32, shape4, 3) <= lax.broadcasted_iota(jnp.int32, shape4, 2)
+    second = lax.broadcasted_iota(jnp.int32, (1, 2, half), 1) == 1
 
-    def fetch(i):
-        """Row i of q, k and f as loaded (0 at pads and past the block)."""
-        ok, at = (i < sub) & (row0 + i < length), jnp.minimum(i, sub - 1)
-        return tuple(plt.load(r.at[at, :], mask=ok, other=0.0) for r in (q_ref, k_ref, f_ref))
+    def body(s, carry):
+        a_own, l_own, a_x, l_x, qq, kk = carry
+        cols = pl.ds(s * block_k, block_k)
+        ea, dt = ea_ref[cols].astype(f32), dt_ref[cols].astype(f32)
+        q, k, f = (plt.load(r.at[:, cols], mask=ok, other=0.0).astype(f32) for r in refs)
+        g = jnp.where(ok, gate_math(f + dt, ea, lower_bound), 0.0) * _LOG2E
+        gl = jnp.cumsum(g, axis=0)  # Gl_i from the block's start
+        g_m = jnp.sum(jnp.where(row < half, g, 0.0), axis=0)  # Gl_m, m = sub/2 - 1
+        qq, kk = qq + jnp.sum(q * q, axis=1), kk + jnp.sum(k * k, axis=1)
+        q, k, gl = q.T, k.T, gl.T  # [block_k, sub]
+        q3, k3, gl3 = (x.reshape(block_k, 2, half) for x in (q, k, gl))
+        # Within each half: exp2(Gl_i - Gl_j), j <= i (masked before exp2: exponents <= 0).
+        e = jnp.exp2(jnp.where(own, gl3[..., None] - gl3[:, :, None, :], -jnp.inf))
+        ke = k3[:, :, None, :] * e
+        a_own += jnp.sum(q3[..., None] * ke, axis=0)
+        l_own += jnp.sum(k3[..., None] * ke, axis=0)
+        # Second half against the first through m: exp2(Gl_i - Gl_m) exp2(Gl_m - Gl_j).
+        k0, _ = jnp.split(k, 2, axis=1)
+        gl0, _ = jnp.split(gl, 2, axis=1)
+        key0 = (k0 * jnp.exp2(g_m[:, None] - gl0))[:, None, None, :]  # [block_k, 1, 1, sub/2]
+        e1 = jnp.exp2(jnp.where(second, gl3 - g_m[:, None, None], -jnp.inf))  # 0 in half 0
+        a_x += jnp.sum((q3 * e1)[..., None] * key0, axis=0)
+        l_x += jnp.sum((k3 * e1)[..., None] * key0, axis=0)
+        return a_own, l_own, a_x, l_x, qq, kk
 
-    def finish(i, raw):
-        """Row i normalised, and its gate in log2 units (0 at pads)."""
-        q, k, f = (x.astype(f32) for x in raw)
-        if l2_eps is not None:
-            q = q * lax.rsqrt(jnp.sum(q * q) + l2_eps)
-            k = k * lax.rsqrt(jnp.sum(k * k) + l2_eps)
-        g = jnp.where(row0 + i < length, gate_math(f + dt, ea, lower_bound), 0.0) * _LOG2E
-        return q, k, g
-
-    def own_keys(r, q, k, gl, keys, sums):
-        """Row r of this half's tiles set to the current row; its scores against the half's keys
-        up to it."""
-        keys = jnp.where(cid == r, k[:, None], keys)
-        sums = jnp.where(cid == r, gl[:, None], sums)
-        ke = keys * jnp.exp2(jnp.where(cid <= r, gl[:, None] - sums, -jnp.inf))
-        return keys, sums, jnp.sum(ke * q[:, None], axis=0), jnp.sum(ke * k[:, None], axis=0)
-
-    def store(i, part, a, lk):
-        cols = pl.ds(part * half, half)
-        a_ref[i, cols] = a
-        l_ref[i, cols] = lk
-
-    def advance(i, r, carry):
-        """Row i (row r of its half): its scores against its half's keys, the carry updated."""
-        gl, keys, sums, raw = carry
-        q, k, g = finish(i, raw)
-        raw = fetch(i + 1)  # the next row's loads in flight during this row's work
-        gl = gl + g
-        keys, sums, a, lk = own_keys(r, q, k, gl, keys, sums)
-        return q, k, a, lk, (gl, keys, sums, raw)
-
-    def first(i, carry):
-        _, _, a, lk, carry = advance(i, i, carry)
-        store(i, 0, a, lk)
-        store(i, 1, zero, zero)
-        return carry
-
-    tile = jnp.zeros((kd, half), f32)
-    gl_m, keys0, sums0, raw = lax.fori_loop(
-        0, half, first, (jnp.zeros((kd,), f32), tile, tile, fetch(0))
+    refs = (q_ref, k_ref, f_ref)
+    pairs, vec = jnp.zeros((2, half, half), f32), jnp.zeros((sub,), f32)
+    a_own, l_own, a_x, l_x, qq, kk = lax.fori_loop(
+        0, kd // block_k, body, (pairs, pairs, pairs, pairs, vec, vec)
     )
-    keys0 = keys0 * jnp.exp2(gl_m[:, None] - sums0)  # k_j exp2(Gl_m - Gl_j), j <= m
+    # [2 (row half), sub/2, 2 (column half), sub/2] -> [sub, sub]: own half on the diagonal,
+    # the second half's scores against the first below it, 0 above.
+    col_half = lax.broadcasted_iota(jnp.int32, (2, 1, 2, 1), 2)
+    row_half = lax.broadcasted_iota(jnp.int32, (2, 1, 2, 1), 0)
 
-    def second(i, carry):
-        q, k, a, lk, carry = advance(i, i - half, carry)
-        store(i, 1, a, lk)
-        e = jnp.exp2(carry[0] - gl_m)[:, None]  # exp2(Gl_i - Gl_m) <= 1
-        store(
-            i,
-            0,
-            jnp.sum(keys0 * (q[:, None] * e), axis=0),
-            jnp.sum(keys0 * (k[:, None] * e), axis=0),
-        )
-        return carry
+    def assemble(x_own, x_cross):
+        blocks = jnp.where(col_half < row_half, x_cross[:, :, None, :], 0.0)
+        return jnp.where(col_half == row_half, x_own[:, :, None, :], blocks).reshape(sub, sub)
 
-    lax.fori_loop(half, sub, second, (gl_m, tile, tile, raw))
+    if l2_eps is None:
+        rq = rk = jnp.ones((sub,), f32)
+    else:
+        rq, rk = lax.rsqrt(qq + l2_eps), lax.rsqrt(kk + l2_eps)
+    a_ref[...] = assemble(a_own, a_x) * (rq[:, None] * rk[None, :])
+    l_ref[...] = assemble(l_own, l_x) * (rk[:, None] * rk[None, :])
 
 
 def _chunk_prepare_kernel(
@@ -512,12 +509,17 @@ def _check_shapes(q, k, v, f, b, lengths, a_log, dt_bias, chunk, blk):
             raise ValueError(f"chunk_prepare: {name}={n} must be a power of two >= 16")
     if chunk % blk.sub:
         raise ValueError(f"chunk_prepare: chunk={chunk} must be a multiple of sub={blk.sub}")
-    for name in ("block_k", "wu_block_k"):
+    # The diagonal kernel's slices feed no dot, so they may be narrower than 16.
+    for name, low, dims in (
+        ("block_k", 16, (kd, vd)),
+        ("diag_block_k", 8, (kd,)),
+        ("wu_block_k", 16, (kd, vd)),
+    ):
         bk = getattr(blk, name)
-        if bk < 16 or bk & (bk - 1) or kd % bk or vd % bk:
+        if bk < low or bk & (bk - 1) or any(n % bk for n in dims):
+            what = " and ".join(f"{x}={n}" for x, n in zip("KV", dims, strict=False))
             raise ValueError(
-                f"chunk_prepare: {name}={bk} must be a power of two >= 16 dividing "
-                f"K={kd} and V={vd}"
+                f"chunk_prepare: {name}={bk} must be a power of two >= {low} dividing {what}"
             )
 
 
@@ -613,7 +615,12 @@ def _chunk_prepare(
         diag_shape = jax.ShapeDtypeStruct((bsz, h, tp, sub), f32)
         sub_tok = pl.BlockSpec((None, sub, None, kd), lambda s, i, hh: (s, i, hh, 0))
         diag_a, diag_l = pl.pallas_call(
-            functools.partial(_diag_pairwise_kernel, lower_bound=lower_bound, l2_eps=l2_eps),
+            functools.partial(
+                _diag_pairwise_kernel,
+                lower_bound=lower_bound,
+                l2_eps=l2_eps,
+                block_k=blk.diag_block_k,
+            ),
             out_shape=(diag_shape, diag_shape),
             grid=(bsz, tp // sub, h),
             in_specs=[
