@@ -79,6 +79,7 @@ HI = lax.Precision.HIGHEST
 # Largest masked-out exponent the factorised diagonal may form (fp32 exp overflows past 88).
 _FACTORISED_MAX_NATS = 80.0
 _LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2 e)
+_DIAG_LANES = 16  # K's minor part in the diagonal kernel
 
 
 class ChunkIntermediates(NamedTuple):
@@ -126,8 +127,7 @@ class PrepareBlockSizes:
     block_k: int = 32
     num_warps: int = 4
     num_stages: int = 2
-    diag_warps: int = 4
-    diag_block_k: int = 16
+    diag_warps: int = 2
     wu_block_k: int = 64
     wu_warps: int = 4
     wu_stages: int = 1
@@ -136,11 +136,7 @@ class PrepareBlockSizes:
     def default_for(k: int, v: int) -> PrepareBlockSizes:
         """The defaults, with both kernels' slices no wider than K and V (powers of two >= 16)."""
         d = PrepareBlockSizes
-        return d(
-            block_k=min(d.block_k, k, v),
-            diag_block_k=min(d.diag_block_k, k),
-            wu_block_k=min(d.wu_block_k, k, v),
-        )
+        return d(block_k=min(d.block_k, k, v), wu_block_k=min(d.wu_block_k, k, v))
 
 
 def _rows_and_cols(n: int):
@@ -190,90 +186,88 @@ def _apply_t(t_full, out_ref, part, block_k: int):
 
 
 def _diag_pairwise_kernel(
-    len_ref, q_ref, k_ref, f_ref, ea_ref, dt_ref, a_ref, l_ref, *, lower_bound, l2_eps, block_k
+    len_ref, q_ref, k_ref, f_ref, ea_ref, dt_ref, a_ref, l_ref, *, lower_bound, l2_eps
 ):
     """One (sequence, sub-block, head) of the unbounded gate: the diagonal block's scores
     a[i, j] = sum_d q_id k_jd exp(G_id - G_jd) and l[i, j] (the same with k_i) for j <= i, exact
     at any decay strength; 0 above the diagonal.
 
-    Every pair at once, K in slices of `block_k` columns (a loop): the block's rows are loaded
-    as two halves of sub/2 rows, [sub/2, block_k] each, their gate cumulated down the rows
-    (`cumsum`, log2 units), and each slice adds its part of the sums to [sub/2, sub/2]
-    accumulators through [sub/2, sub/2, block_k] broadcasts reduced over the slice:
-    - within a half, exp2(Gl_i - Gl_j) for every pair (masked to j <= i before `exp2`, so the
-      exponents are <= 0);
-    - the second half against the first goes through the reference m = sub/2 - 1 (the first
-      half's last row): exp2(Gl_i - Gl_m) exp2(Gl_m - Gl_j), both factors <= 1 since
-      j <= m < i (the sums only decrease), so that quadrant is a product of rows scaled once.
-    The rows' L2 norms are summed over the slices too and applied to the accumulators at the
-    end (the scores are bilinear in q and k). No row depends on another row's work and no
-    register tile is indexed by row: the previous form, a walk down the rows with [K, sub/2]
-    key tiles, spent about 20 barriers a row in cross-warp reductions and layout conversions
-    (static SASS at 2 warps) and took 388 us at B=1, T=8192.
+    A walk down the block's rows with the decay as a running product: exp(G_i - G_j) =
+    prod_{j < t <= i} exp(g_t), each factor in [0, 1], so nothing overflows and a product only
+    underflows where the true value does. Step i loads row i as [K] vectors (one row ahead of its
+    use), multiplies every key column of a [K, sub] tile by exp(g_i), sets column i to k_i, and
+    reduces the tile against q_i and k_i over K: row i of both outputs, 0 right of the diagonal
+    (columns not yet set). One multiply per (key, column) and step replaces the exp2 of a
+    difference of cumulative sums, which also loses the differences' low bits when the sums are
+    large.
 
     A kernel of its own (many small programs, few registers: latency hidden by occupancy) rather
     than a phase of `_chunk_prepare_kernel`, where a pairwise loop measured 1.85 ms at B=1,
     T=8192.
     len_ref: [Bp]; q_ref, k_ref, f_ref: [sub, K]; ea_ref, dt_ref: [K]; a_ref, l_ref: [sub, sub].
     """
-    sub, kd = q_ref.shape
+    sub, kq, lanes = q_ref.shape
     half = sub // 2
     row0 = pl.program_id(1) * sub
     length = len_ref[pl.program_id(0)]
-    row = lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
-    ok = row0 + row < length  # [sub, 1]
-    # Pair tiles are [block_k, 2 (half), sub/2 (i), sub/2 (j)], K first: Triton's default layout
-    # then keeps the reduced axis inside each thread (K last put it across the lanes: five
-    # shuffles per sum) and at 4 warps gives each thread one (half, i, j).
-    shape4 = (1, 2, half, half)
-    own = lax.broadcasted_iota(jnp.int32, shape4, 3) <= lax.broadcasted_iota(jnp.int32, shape4, 2)
-    second = lax.broadcasted_iota(jnp.int32, (1, 2, half), 1) == 1
+    cid = lax.broadcasted_iota(jnp.int32, (1, half, 1), 1)  # key column of a half's tile
+    ea = ea_ref[...].astype(f32)
+    dt = dt_ref[...].astype(f32)
 
-    def body(s, carry):
-        a_own, l_own, a_x, l_x, qq, kk = carry
-        cols = pl.ds(s * block_k, block_k)
-        ea, dt = ea_ref[cols].astype(f32), dt_ref[cols].astype(f32)
-        q, k, f = (plt.load(r.at[:, cols], mask=ok, other=0.0).astype(f32) for r in refs)
-        g = jnp.where(ok, gate_math(f + dt, ea, lower_bound), 0.0) * _LOG2E
-        gl = jnp.cumsum(g, axis=0)  # Gl_i from the block's start
-        g_m = jnp.sum(jnp.where(row < half, g, 0.0), axis=0)  # Gl_m, m = sub/2 - 1
-        qq, kk = qq + jnp.sum(q * q, axis=1), kk + jnp.sum(k * k, axis=1)
-        q, k, gl = q.T, k.T, gl.T  # [block_k, sub]
-        q3, k3, gl3 = (x.reshape(block_k, 2, half) for x in (q, k, gl))
-        # Within each half: exp2(Gl_i - Gl_j), j <= i (masked before exp2: exponents <= 0).
-        e = jnp.exp2(jnp.where(own, gl3[..., None] - gl3[:, :, None, :], -jnp.inf))
-        ke = k3[:, :, None, :] * e
-        a_own += jnp.sum(q3[..., None] * ke, axis=0)
-        l_own += jnp.sum(k3[..., None] * ke, axis=0)
-        # Second half against the first through m: exp2(Gl_i - Gl_m) exp2(Gl_m - Gl_j).
-        k0, _ = jnp.split(k, 2, axis=1)
-        gl0, _ = jnp.split(gl, 2, axis=1)
-        key0 = (k0 * jnp.exp2(g_m[:, None] - gl0))[:, None, None, :]  # [block_k, 1, 1, sub/2]
-        e1 = jnp.exp2(jnp.where(second, gl3 - g_m[:, None, None], -jnp.inf))  # 0 in half 0
-        a_x += jnp.sum((q3 * e1)[..., None] * key0, axis=0)
-        l_x += jnp.sum((k3 * e1)[..., None] * key0, axis=0)
-        return a_own, l_own, a_x, l_x, qq, kk
+    def fetch(i):
+        """Row i of q, k and f as loaded (0 at pads and past the block), [K/16, 16]."""
+        ok, at = (i < sub) & (row0 + i < length), jnp.minimum(i, sub - 1)
+        return tuple(plt.load(r.at[at], mask=ok, other=0.0) for r in (q_ref, k_ref, f_ref))
 
-    refs = (q_ref, k_ref, f_ref)
-    pairs, vec = jnp.zeros((2, half, half), f32), jnp.zeros((sub,), f32)
-    a_own, l_own, a_x, l_x, qq, kk = lax.fori_loop(
-        0, kd // block_k, body, (pairs, pairs, pairs, pairs, vec, vec)
-    )
-    # [2 (row half), sub/2, 2 (column half), sub/2] -> [sub, sub]: own half on the diagonal,
-    # the second half's scores against the first below it, 0 above.
-    col_half = lax.broadcasted_iota(jnp.int32, (2, 1, 2, 1), 2)
-    row_half = lax.broadcasted_iota(jnp.int32, (2, 1, 2, 1), 0)
+    def rows_sum(x):
+        """[K/16, sub, 16] -> [sub]: the in-thread axis first, then the lanes."""
+        return jnp.sum(jnp.sum(x, axis=0), axis=1)
 
-    def assemble(x_own, x_cross):
-        blocks = jnp.where(col_half < row_half, x_cross[:, :, None, :], 0.0)
-        return jnp.where(col_half == row_half, x_own[:, :, None, :], blocks).reshape(sub, sub)
+    def finish(i, raw):
+        """Row i normalised, and its decay exp(g_i) (1 at pads)."""
+        q, k, f = (x.astype(f32) for x in raw)
+        if l2_eps is not None:
+            q = q * lax.rsqrt(jnp.sum(jnp.sum(q * q, axis=1)) + l2_eps)
+            k = k * lax.rsqrt(jnp.sum(jnp.sum(k * k, axis=1)) + l2_eps)
+        g = jnp.where(row0 + i < length, gate_math(f + dt, ea, lower_bound), 0.0)
+        return q, k, jnp.exp(g)
 
-    if l2_eps is None:
-        rq = rk = jnp.ones((sub,), f32)
-    else:
-        rq, rk = lax.rsqrt(qq + l2_eps), lax.rsqrt(kk + l2_eps)
-    a_ref[...] = assemble(a_own, a_x) * (rq[:, None] * rk[None, :])
-    l_ref[...] = assemble(l_own, l_x) * (rk[:, None] * rk[None, :])
+    def own_keys(r, q, k, decay, keys):
+        """The half's key tile decayed by row i's gate and its column r set to k_i; row i's
+        scores against the half's keys."""
+        keys = jnp.where(cid == r, k[:, None, :], keys * decay[:, None, :])
+        return keys, rows_sum(keys * q[:, None, :]), rows_sum(keys * k[:, None, :])
+
+    def store(i, part, a, lk):
+        cols = pl.ds(part * half, half)
+        a_ref[i, cols] = a
+        l_ref[i, cols] = lk
+
+    def first(i, carry):
+        keys, raw = carry
+        q, k, decay = finish(i, raw)
+        raw = fetch(i + 1)  # the next row's loads in flight during this row's work
+        keys, a, lk = own_keys(i, q, k, decay, keys)
+        store(i, 0, a, lk)
+        store(i, 1, zero, zero)
+        return keys, raw
+
+    def second(i, carry):
+        keys0, keys, prod, raw = carry
+        q, k, decay = finish(i, raw)
+        raw = fetch(i + 1)
+        keys, a, lk = own_keys(i - half, q, k, decay, keys)
+        store(i, 1, a, lk)
+        prod = prod * decay  # exp(G_i - G_m), m = sub/2 - 1
+        store(
+            i, 0, rows_sum(keys0 * (q * prod)[:, None, :]), rows_sum(keys0 * (k * prod)[:, None, :])
+        )
+        return keys0, keys, prod, raw
+
+    zero = jnp.zeros((half,), f32)
+    tile = jnp.zeros((kq, half, lanes), f32)
+    keys0, raw = lax.fori_loop(0, half, first, (tile, fetch(0)))  # keys0: k_j exp(G_m - G_j)
+    lax.fori_loop(half, sub, second, (keys0, tile, jnp.ones((kq, lanes), f32), raw))
 
 
 def _chunk_prepare_kernel(
@@ -509,17 +503,12 @@ def _check_shapes(q, k, v, f, b, lengths, a_log, dt_bias, chunk, blk):
             raise ValueError(f"chunk_prepare: {name}={n} must be a power of two >= 16")
     if chunk % blk.sub:
         raise ValueError(f"chunk_prepare: chunk={chunk} must be a multiple of sub={blk.sub}")
-    # The diagonal kernel's slices feed no dot, so they may be narrower than 16.
-    for name, low, dims in (
-        ("block_k", 16, (kd, vd)),
-        ("diag_block_k", 8, (kd,)),
-        ("wu_block_k", 16, (kd, vd)),
-    ):
+    for name in ("block_k", "wu_block_k"):
         bk = getattr(blk, name)
-        if bk < low or bk & (bk - 1) or any(n % bk for n in dims):
-            what = " and ".join(f"{x}={n}" for x, n in zip("KV", dims, strict=False))
+        if bk < 16 or bk & (bk - 1) or kd % bk or vd % bk:
             raise ValueError(
-                f"chunk_prepare: {name}={bk} must be a power of two >= {low} dividing {what}"
+                f"chunk_prepare: {name}={bk} must be a power of two >= 16 dividing "
+                f"K={kd} and V={vd}"
             )
 
 
@@ -613,14 +602,17 @@ def _chunk_prepare(
     sub = blk.sub
     if _needs_pairwise(lower_bound, sub):
         diag_shape = jax.ShapeDtypeStruct((bsz, h, tp, sub), f32)
-        sub_tok = pl.BlockSpec((None, sub, None, kd), lambda s, i, hh: (s, i, hh, 0))
+        # K as [K/16, 16] (free reshapes): the key tile [K/16, sub, 16] then keeps 8 of a
+        # row's K values in each thread, so its sums over K are 8-term in-thread chains and
+        # 4 shuffle steps.
+        kq = kd // _DIAG_LANES
+        sub_tok = pl.BlockSpec(
+            (None, sub, None, kq, _DIAG_LANES), lambda s, i, hh: (s, i, hh, 0, 0)
+        )
+        head3 = pl.BlockSpec((None, kq, _DIAG_LANES), lambda s, i, hh: (hh, 0, 0))
+        split = lambda x: x.reshape(*x.shape[:-1], kq, _DIAG_LANES)  # noqa: E731
         diag_a, diag_l = pl.pallas_call(
-            functools.partial(
-                _diag_pairwise_kernel,
-                lower_bound=lower_bound,
-                l2_eps=l2_eps,
-                block_k=blk.diag_block_k,
-            ),
+            functools.partial(_diag_pairwise_kernel, lower_bound=lower_bound, l2_eps=l2_eps),
             out_shape=(diag_shape, diag_shape),
             grid=(bsz, tp // sub, h),
             in_specs=[
@@ -628,14 +620,14 @@ def _chunk_prepare(
                 sub_tok,
                 sub_tok,
                 sub_tok,
-                pl.BlockSpec((None, kd), lambda s, i, hh: (hh, 0)),
-                pl.BlockSpec((None, kd), lambda s, i, hh: (hh, 0)),
+                head3,
+                head3,
             ],
             out_specs=2 * (pl.BlockSpec((None, None, sub, sub), lambda s, i, hh: (s, hh, i, 0)),),
             compiler_params=plt.CompilerParams(num_warps=blk.diag_warps, num_stages=1),
             name="kda_chunk_diag",
             interpret=common.interpret(),
-        )(lens, q, k, f4, ea, dt)
+        )(lens, *(split(x) for x in (q, k, f4, ea, dt)))
         diag_spec = inter(sub)
     else:  # not read: the factorised path computes the diagonal blocks with the rest
         diag_a = diag_l = jnp.zeros((1, 1, chunk, sub), f32)

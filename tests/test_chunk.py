@@ -146,7 +146,7 @@ def test_prepare_fused_l2(rng):
     "blk",
     [
         PrepareBlockSizes.default_for(K, K),
-        PrepareBlockSizes(block_k=16, num_stages=1, diag_warps=2, diag_block_k=8, wu_block_k=16),
+        PrepareBlockSizes(block_k=16, num_stages=1, diag_warps=4, wu_block_k=16),
         PrepareBlockSizes(block_k=16, wu_block_k=32, wu_stages=2),
     ],
     ids=["default", "unpipelined", "wu-pipelined"],
@@ -172,9 +172,7 @@ def test_prepare_column_slices(rng, lower_bound, blk):
 def test_prepare_default_block_sizes_fit_head_dim():
     assert PrepareBlockSizes.default_for(128, 128) == PrepareBlockSizes()
     assert PrepareBlockSizes.default_for(32, 64).wu_block_k == 32
-    assert PrepareBlockSizes.default_for(16, 64) == PrepareBlockSizes(
-        block_k=16, diag_block_k=16, wu_block_k=16
-    )
+    assert PrepareBlockSizes.default_for(16, 64) == PrepareBlockSizes(block_k=16, wu_block_k=16)
 
 
 def test_scan_default_block_sizes():
@@ -190,7 +188,7 @@ def test_scan_default_block_sizes():
     assert ScanBlockSizes.default_for(4, 32, 128, 64) == ScanBlockSizes(64, 4, 2)
 
 
-@pytest.mark.parametrize("name", ["block_k", "diag_block_k", "wu_block_k"])
+@pytest.mark.parametrize("name", ["block_k", "wu_block_k"])
 def test_prepare_rejects_bad_block_k(rng, name):
     args = _prep_args(_inputs(rng))
     with pytest.raises(ValueError, match=f"{name}=24 must be a power of two"):
