@@ -194,17 +194,21 @@ def _diag_pairwise_kernel(
 
     A walk down the block's rows with the decay as a running product: exp(G_i - G_j) =
     prod_{j < t <= i} exp(g_t), each factor in [0, 1], so nothing overflows and a product only
-    underflows where the true value does. Step i loads row i as [K] vectors (one row ahead of its
-    use), multiplies every key column of a [K, sub] tile by exp(g_i), sets column i to k_i, and
-    reduces the tile against q_i and k_i over K: row i of both outputs, 0 right of the diagonal
-    (columns not yet set). One multiply per (key, column) and step replaces the exp2 of a
-    difference of cumulative sums, which also loses the differences' low bits when the sums are
-    large.
+    underflows where the true value does (the exp2 of a difference of cumulative sums, the
+    previous form, also lost the difference's low bits when the sums were large). Each step
+    loads row i as [K/16, 16] tiles (one row ahead of its use), in two halves of sub/2 rows:
+    - each half keeps its key rows as a [K/16, sub/2, 16] tile (8 of a row's K values in each
+      thread: the sums over K are in-thread chains and 4 shuffle steps); step i multiplies the
+      tile by exp(g_i), sets column i to k_i and reduces it against q_i and k_i;
+    - the second half meets the first half's keys, decayed to its last row m = sub/2 - 1, through
+      the running product exp(G_i - G_m): one [K] multiply per row, no tile update.
+    Each step stores row i of both outputs (two sub/2-column parts); columns not yet set are 0.
 
     A kernel of its own (many small programs, few registers: latency hidden by occupancy) rather
     than a phase of `_chunk_prepare_kernel`, where a pairwise loop measured 1.85 ms at B=1,
     T=8192.
-    len_ref: [Bp]; q_ref, k_ref, f_ref: [sub, K]; ea_ref, dt_ref: [K]; a_ref, l_ref: [sub, sub].
+    len_ref: [Bp]; q_ref, k_ref, f_ref: [sub, K/16, 16]; ea_ref, dt_ref: [K/16, 16]; a_ref,
+    l_ref: [sub, sub].
     """
     sub, kq, lanes = q_ref.shape
     half = sub // 2
