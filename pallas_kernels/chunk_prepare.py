@@ -14,11 +14,11 @@ products per chunk and nothing else:
 
 Structure (registers decide the speed here: the first version held the [C, K] chunk and whole
 [sub, sub] tile sets in registers, spilled, and ran 2-3x slower):
-  0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs of two
-     warps walking the block's rows): the diagonal [sub, sub] blocks of A and L pairwise (see
+  0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs of one
+     warp walking the block's rows): the diagonal [sub, sub] blocks of A and L pairwise (see
      Decay safety); in the main kernel a pairwise loop cost 1.85 of 3.25 ms (H200, B=1,
-     T=8192), in this kernel 388 us at 2 warps (three structures at 1 warp measured 425-433,
-     benchmarks/NOTES.md, session 14).
+     T=8192), in this kernel 278 us at 2 warps and about 220 at 1 (the stage 57 us faster),
+     against 388 for the previous form, an exp2 per pair (benchmarks/NOTES.md, session 15).
   1. G = chunk cumsum of the gate, per column slice of `block_k`, into a fp32 scratch output
      (private to the program until the w/u kernel reads it), with qg, kg and exp(G_last)
      written on the way.
@@ -44,9 +44,9 @@ exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), the mask applied before `exp`, b
 <= 1 for columns j < r. With a bounded gate far from overflow ((sub - 1) |lb| <= 80 nats, e.g.
 lb = -5) the block's own columns are taken the same way (the second factor stays below e^80).
 Otherwise (unbounded gate) the diagonal block is computed by `kda_chunk_diag`, one query row at
-a time, from block-local cumulative sums Gl (in log2 units): exp2(Gl_i - Gl_j) with the mask
-before `exp2` within each half of the block, and through the first half's last row m between
-the halves (exp2(Gl_i - Gl_m) exp2(Gl_m - Gl_j), both <= 1), exact at any decay strength.
+a time, with exp(G_i - G_j) as the running product of the rows' decays exp(g_t) in [0, 1]
+(within each half of the block; between the halves through the first half's last row m),
+exact at any decay strength: no exponent is formed, so nothing can overflow.
 T is built block by block: the diagonal [sub, sub] inverses as (I - L)(I + L^2)(I + L^4)(I + L^8)
 plus one Newton step (as accurate as an fp32 triangular solve, measured against float64), the
 off-diagonal blocks by T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ (full fp32 dots, no TF32).
@@ -110,10 +110,10 @@ class PrepareBlockSizes:
       num_stages: Triton software-pipelining depth of the slice loops' loads (ptxas, sm_90a,
         at block_k 16: 2 -> 142 registers and 13 KB of shared memory for the pipelined loads, 3
         programs/SM; 1 -> 128 registers, 4 programs/SM).
-      diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel (2;
-        ptxas at sm_90a: 158 registers, 6 programs/SM; 225 at 1 warp. H200, 2026-12-02, B=1,
-        T=8192, C = 32, one job: the stage 1096.0 us at 2 warps, 1131.4 at 1, 1124.7 for the
-        previous kernel at 1 warp; at 4 warps 1140.6 in another job).
+      diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel (1;
+        ptxas at sm_90a: 159 registers, 12 programs/SM; 96 at 2 warps, 72 at 4. H200,
+        2026-12-02, B=1, T=8192, C = 32, one job: the stage 901.5 us at 1 warp, 959.0 at 2,
+        1067.0 at 4, against 1074.6 for the previous kernel, a row walk with an exp2 per pair).
       wu_block_k, wu_warps, wu_stages: block_k, num_warps and num_stages of the w/u kernel.
     The other defaults are the fastest of one H200 job (2026-12-01, B=1, T=8192, H=32, the
     stage alone, all else at the old defaults 16 x 4 x 1, diag_warps 4, wu 16 x 4 x 1):
@@ -127,7 +127,7 @@ class PrepareBlockSizes:
     block_k: int = 32
     num_warps: int = 4
     num_stages: int = 2
-    diag_warps: int = 2
+    diag_warps: int = 1
     wu_block_k: int = 64
     wu_warps: int = 4
     wu_stages: int = 1
