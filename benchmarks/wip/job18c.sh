@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Session 15, job 3: the running-product diagonal kernel at its new default of 1 warp: compiled
 # tests, the core's kernel list and the stage beside 2 warps (unbounded gate, B=1 T=8192,
-# C = 32), then the core against FLA at B=1 T=8192 and B=4 T=4096, both gates.
-#   KDA_COMMIT=abc1234 bash benchmarks/wip/job18c.sh          (~470 s of one call)
+# C = 32), then the core against FLA at B=1 T=8192, B=4 T=4096 and B=1 T=32768, both gates, in
+# one process (records are written case by case: a cut run keeps the finished ones).
+#   KDA_COMMIT=abc1234 bash benchmarks/wip/job18c.sh          (~560 s of one call)
 set -uo pipefail
 : "${KDA_COMMIT:?pass the commit as a literal}"
 export KDA_COMMIT
@@ -13,8 +14,8 @@ run "$base" tests_chunk 150 $T -x tests/test_chunk.py -k on_gpu
 pack
 run "$base" kept 70 $SP --kernels --out "$OUT/kept.json" --configs default,diag_warps=2
 pack
-run "$base" core 300 python3 benchmarks/bench_prefill.py --quick --core-only --chunks 32 \
-  --shapes 1x8192,4x4096 --out "$OUT/core.json"
+run "$base" core 360 python3 benchmarks/bench_prefill.py --quick --core-only --chunks 32 \
+  --shapes 1x8192,4x4096,1x32768 --out "$OUT/core.json"
 pack
 grep -hE "busy|kda_chunk|^chunk_|^prefill_" "$OUT"/{kept,core}.log | cut -c1-190
 grep -hE "passed|failed|FAILED|ERROR" "$OUT"/tests_chunk.log | cut -c1-200
