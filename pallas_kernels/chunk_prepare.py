@@ -14,10 +14,10 @@ products per chunk and nothing else:
 
 Structure (registers decide the speed here: the first version held the [C, K] chunk and whole
 [sub, sub] tile sets in registers, spilled, and ran 2-3x slower):
-  0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs of one
-     warp walking the block's rows): the diagonal [sub, sub] blocks of A and L pairwise (see
+  0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs of two
+     warps walking the block's rows): the diagonal [sub, sub] blocks of A and L pairwise (see
      Decay safety); in the main kernel a pairwise loop cost 1.85 of 3.25 ms (H200, B=1,
-     T=8192), in this kernel 278 us at 2 warps and about 220 at 1 (the stage 57 us faster),
+     T=8192), in this kernel 278 us at 2 warps (at 1 warp the stage was 57 us faster, untested),
      against 388 for the previous form, an exp2 per pair (benchmarks/NOTES.md, session 15).
   1. G = chunk cumsum of the gate, per column slice of `block_k`, into a fp32 scratch output
      (private to the program until the w/u kernel reads it), with qg, kg and exp(G_last)
@@ -110,10 +110,12 @@ class PrepareBlockSizes:
       num_stages: Triton software-pipelining depth of the slice loops' loads (ptxas, sm_90a,
         at block_k 16: 2 -> 142 registers and 13 KB of shared memory for the pipelined loads, 3
         programs/SM; 1 -> 128 registers, 4 programs/SM).
-      diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel (1;
-        ptxas at sm_90a: 159 registers, 12 programs/SM; 96 at 2 warps, 72 at 4. H200,
-        2026-12-02, B=1, T=8192, C = 32, one job: the stage 901.5 us at 1 warp, 959.0 at 2,
-        1067.0 at 4, against 1074.6 for the previous kernel, a row walk with an exp2 per pair).
+      diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel (2;
+        ptxas at sm_90a: 96 registers; 159 at 1 warp (12 programs/SM), 72 at 4. H200,
+        2026-12-02, B=1, T=8192, C = 32, one job: the stage 959.0 us at 2 warps, 901.5 at 1,
+        1067.0 at 4, against 1074.6 for the previous kernel, a row walk with an exp2 per pair.
+        2 warps is the form checked compiled on the GPU; 1 warp is not yet, see
+        benchmarks/NOTES.md).
       wu_block_k, wu_warps, wu_stages: block_k, num_warps and num_stages of the w/u kernel.
     The other defaults are the fastest of one H200 job (2026-12-01, B=1, T=8192, H=32, the
     stage alone, all else at the old defaults 16 x 4 x 1, diag_warps 4, wu 16 x 4 x 1):
@@ -127,7 +129,7 @@ class PrepareBlockSizes:
     block_k: int = 32
     num_warps: int = 4
     num_stages: int = 2
-    diag_warps: int = 1
+    diag_warps: int = 2
     wu_block_k: int = 64
     wu_warps: int = 4
     wu_stages: int = 1

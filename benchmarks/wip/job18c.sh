@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Session 15, job 3: the running-product diagonal kernel at its new default of 1 warp: compiled
-# tests, the core's kernel list and the stage beside 2 warps (unbounded gate, B=1 T=8192,
-# C = 32), then the core against FLA at B=1 T=8192, B=4 T=4096 and B=1 T=32768, both gates, in
-# one process (records are written case by case: a cut run keeps the finished ones).
+# For the next session (written in session 15, not run: no machine free): the running-product
+# diagonal kernel at 1 warp (set PrepareBlockSizes.diag_warps to 1 first): compiled tests,
+# the core's kernel list and the stage beside 2 warps (unbounded gate, B=1 T=8192, C = 32),
+# then the core against FLA at B=1 T=8192, B=4 T=4096 and B=1 T=32768, both gates, in one
+# process (records are written case by case: a cut run keeps the finished ones).
 #   KDA_COMMIT=abc1234 bash benchmarks/wip/job18c.sh          (~530 s of one call)
 set -uo pipefail
 : "${KDA_COMMIT:?pass the commit as a literal}"
