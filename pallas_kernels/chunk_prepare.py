@@ -608,7 +608,7 @@ def _chunk_prepare(
     sub = blk.sub
     if _needs_pairwise(lower_bound, sub):
         diag_shape = jax.ShapeDtypeStruct((bsz, h, tp, sub), f32)
-        # K as [K/16, 16] (free reshapes): the key tile [K/16, sub, 16] then keeps 8 of a
+        # K as [K/16, 16] (free reshapes): the key tiles [K/16, sub/2, 16] then keep 8 of a
         # row's K values in each thread, so its sums over K are 8-term in-thread chains and
         # 4 shuffle steps.
         kq = kd // _DIAG_LANES
