@@ -78,7 +78,6 @@ f32 = jnp.float32
 HI = lax.Precision.HIGHEST
 # Largest masked-out exponent the factorised diagonal may form (fp32 exp overflows past 88).
 _FACTORISED_MAX_NATS = 80.0
-_LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2 e)
 _DIAG_LANES = 16  # K's minor part in the diagonal kernel
 
 
