@@ -109,12 +109,12 @@ class PrepareBlockSizes:
       num_stages: Triton software-pipelining depth of the slice loops' loads (ptxas, sm_90a,
         at block_k 16: 2 -> 142 registers and 13 KB of shared memory for the pipelined loads, 3
         programs/SM; 1 -> 128 registers, 4 programs/SM).
-      diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel (2;
-        ptxas at sm_90a: 96 registers; 159 at 1 warp (12 programs/SM), 72 at 4. H200,
-        2026-12-02, B=1, T=8192, C = 32, one job: the stage 959.0 us at 2 warps, 901.5 at 1,
-        1067.0 at 4, against 1074.6 for the previous kernel, a row walk with an exp2 per pair.
-        2 warps is the form checked compiled on the GPU; 1 warp is not yet, see
-        benchmarks/NOTES.md).
+      diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel (1;
+        ptxas at sm_90a: 159 registers at 1 warp (12 programs/SM), 96 at 2, 72 at 4. H200,
+        2026-12-02, B=1, T=8192, C = 32, one job: the stage 901.5 us at 1 warp, 959.0 at 2,
+        1067.0 at 4, against 1074.6 for the previous kernel, a row walk with an exp2 per pair;
+        in the next job the kernel alone 228.4 us at 1 warp against 278.0 at 2 the job before,
+        its compiled tests passing on the GPU).
       wu_block_k, wu_warps, wu_stages: block_k, num_warps and num_stages of the w/u kernel.
     The other defaults are the fastest of one H200 job (2026-12-01, B=1, T=8192, H=32, the
     stage alone, all else at the old defaults 16 x 4 x 1, diag_warps 4, wu 16 x 4 x 1):
@@ -128,7 +128,7 @@ class PrepareBlockSizes:
     block_k: int = 32
     num_warps: int = 4
     num_stages: int = 2
-    diag_warps: int = 2
+    diag_warps: int = 1
     wu_block_k: int = 64
     wu_warps: int = 4
     wu_stages: int = 1
