@@ -14,11 +14,11 @@ products per chunk and nothing else:
 
 Structure (registers decide the speed here: the first version held the [C, K] chunk and whole
 [sub, sub] tile sets in registers, spilled, and ran 2-3x slower):
-  0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs of two
-     warps walking the block's rows): the diagonal [sub, sub] blocks of A and L pairwise (see
+  0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs of one
+     warp walking the block's rows): the diagonal [sub, sub] blocks of A and L pairwise (see
      Decay safety); in the main kernel a pairwise loop cost 1.85 of 3.25 ms (H200, B=1,
-     T=8192), in this kernel 278 us at 2 warps (at 1 warp the stage was 57 us faster, untested),
-     against 388 for the previous form, an exp2 per pair (benchmarks/NOTES.md, session 15).
+     T=8192), in this kernel 228 us (278 at 2 warps, 388 for the previous form, an exp2 per
+     pair; benchmarks/NOTES.md, sessions 15-16).
   1. G = chunk cumsum of the gate, per column slice of `block_k`, into a fp32 scratch output
      (private to the program until the w/u kernel reads it), with qg, kg and exp(G_last)
      written on the way.
