@@ -23,7 +23,9 @@ Structure (registers decide the speed here: the first version held the [C, K] ch
      (private to the program until the w/u kernel reads it), with qg, kg and exp(G_last)
      written on the way from G read back (fenced): used from registers, Triton computed the
      gate and its cumsum twice, in the fp32 store's layout and in the bf16 loads' (static SASS
-     for sm_90a: the slice loop 1435 -> 815 instructions unbounded, 1053 -> 632 bounded).
+     for sm_90a: the slice loop 1435 -> 815 instructions unbounded, 1053 -> 632 bounded; H200,
+     B=1, T=8192, one job: the stage 702.0 against 722.2 us bounded, 879.2 against 899.6
+     unbounded, and 12 us more at num_stages 1).
   2. Scores one sub-block of rows at a time: [sub, width] accumulators summed over the column
      slices (loops, not unrolled), stored as rows of A and, for L, into the scratch; the
      unbounded gate's diagonal blocks come from phase 0. Only the key rows a sub-block can
@@ -108,9 +110,12 @@ class PrepareBlockSizes:
         bounded, 3 programs/SM as with 16's 142; 247 unbounded, 2/SM). With num_stages 1 and
         the older kernel 16 had measured 7% faster.
       num_warps: Triton warps per program (8 and 2 measured slower than 4).
-      num_stages: Triton software-pipelining depth of the slice loops' loads (ptxas, sm_90a,
-        at block_k 16: 2 -> 142 registers and 13 KB of shared memory for the pipelined loads, 3
-        programs/SM; 1 -> 128 registers, 4 programs/SM).
+      num_stages: Triton software-pipelining depth of the slice loops' loads (1; ptxas at
+        sm_90a with phase 1 forming the gate once: 125 registers bounded and 124 unbounded at
+        1, 4 programs/SM; 142 and 127 at 2, with 17 and 11 KB of shared memory for the
+        pipelined loads. H200, 2026-12-02, B=1, T=8192, C = 32, one job: the stage 688.8
+        against 702.0 us bounded, 870.5 against 879.2 unbounded; 2 had been the faster depth
+        before that change).
       diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel (1;
         ptxas at sm_90a: 159 registers at 1 warp (12 programs/SM), 96 at 2, 72 at 4. H200,
         2026-12-02, B=1, T=8192, C = 32, one job: the stage 901.5 us at 1 warp, 959.0 at 2,
@@ -118,9 +123,10 @@ class PrepareBlockSizes:
         in the next job the kernel alone 228.4 us at 1 warp against 278.0 at 2 the job before,
         its compiled tests passing on the GPU).
       wu_block_k, wu_warps, wu_stages: block_k, num_warps and num_stages of the w/u kernel.
-    The other defaults are the fastest of one H200 job (2026-12-01, B=1, T=8192, H=32, the
-    stage alone, all else at the old defaults 16 x 4 x 1, diag_warps 4, wu 16 x 4 x 1):
-    num_stages 2 1147 against 1225 us (bounded gate), wu_block_k 64 1158 (32: 1167), diag_warps
+    The w/u defaults are the fastest of one H200 job (2026-12-01, B=1, T=8192, H=32, the
+    stage alone, all else at the old defaults 16 x 4 x 1, diag_warps 4, wu 16 x 4 x 1; the
+    kernels of then, C = 64): num_stages 2 1147 against 1225 us (bounded gate; 1 since
+    session 16, above), wu_block_k 64 1158 (32: 1167), diag_warps
     2 1828 against 1981 us (unbounded gate); num_warps 2 was slower (1370). Session 6's job at
     block_k 16 (1082.8 us): num_stages 3 1062.6, wu_stages 2 1080.4, both 1051.4, wu_warps 8
     1095.4, wu_block_k 128 1158.1 (kept as they are: block_k 32 was the one clear gain).
@@ -129,7 +135,7 @@ class PrepareBlockSizes:
     sub: int = 16
     block_k: int = 32
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 1
     diag_warps: int = 1
     wu_block_k: int = 64
     wu_warps: int = 4
