@@ -95,12 +95,20 @@ def _assert_finite(*xs):
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "chunk, lower_bound",
-    [(16, None), (16, -5.0), (32, -5.0), (64, None)],
-    ids=["c16-unbounded", "c16-bounded", "c32-bounded", "c64-unbounded"],
+    [(16, None), (16, -5.0), (32, None), (32, -5.0), (32, -8.0), (64, None)],
+    ids=[
+        "c16-unbounded",
+        "c16-bounded",
+        "c32-unbounded",
+        "c32-bounded",
+        "c32-strong-bounded",
+        "c64-unbounded",
+    ],
 )
 def test_prepare_matches_reference(rng, chunk, lower_bound):
-    """fp32 intermediates: pairwise (unbounded) and factorised (bounded) diagonal sub-blocks,
-    off-diagonal sub-blocks (chunk >= 32), T and lengths off the chunk grid, NaN pads."""
+    """fp32 intermediates: pairwise (unbounded, and bounded with 15 |lb| past 80 nats) and
+    factorised (bounded) diagonal sub-blocks, off-diagonal sub-blocks (chunk >= 32), G from the
+    diagonal kernel's block sums (pairwise), T and lengths off the chunk grid, NaN pads."""
     args = _prep_args(_inputs(rng))
     kw = dict(scale=K**-0.5, chunk=chunk, lower_bound=lower_bound, mm_dtype=f32)
     got = chunk_prepare(*args, **kw)
