@@ -25,7 +25,7 @@ Structure (registers decide the speed here: the first version held the [C, K] ch
      gate and its cumsum twice, in the fp32 store's layout and in the bf16 loads' (static SASS
      for sm_90a: the slice loop 1435 -> 815 instructions unbounded, 1053 -> 632 bounded; H200,
      B=1, T=8192, one job: the stage 702.0 against 722.2 us bounded, 879.2 against 899.6
-     unbounded, and 12 us more at num_stages 1).
+     unbounded; 688.8 and 870.5 at num_stages 1, the default since).
   2. Scores one sub-block of rows at a time: [sub, width] accumulators summed over the column
      slices (loops, not unrolled), stored as rows of A and, for L, into the scratch; the
      unbounded gate's diagonal blocks come from phase 0. Only the key rows a sub-block can

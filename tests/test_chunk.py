@@ -107,8 +107,8 @@ def _assert_finite(*xs):
 )
 def test_prepare_matches_reference(rng, chunk, lower_bound):
     """fp32 intermediates: pairwise (unbounded, and bounded with 15 |lb| past 80 nats) and
-    factorised (bounded) diagonal sub-blocks, off-diagonal sub-blocks (chunk >= 32), G from the
-    diagonal kernel's block sums (pairwise), T and lengths off the chunk grid, NaN pads."""
+    factorised (bounded) diagonal sub-blocks, off-diagonal sub-blocks (chunk >= 32), T and
+    lengths off the chunk grid, NaN pads."""
     args = _prep_args(_inputs(rng))
     kw = dict(scale=K**-0.5, chunk=chunk, lower_bound=lower_bound, mm_dtype=f32)
     got = chunk_prepare(*args, **kw)
