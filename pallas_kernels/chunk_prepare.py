@@ -16,16 +16,21 @@ Structure (registers decide the speed here: the first version held the [C, K] ch
 [sub, sub] tile sets in registers, spilled, and ran 2-3x slower):
   0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs of one
      warp walking the block's rows): the diagonal [sub, sub] blocks of A and L pairwise (see
-     Decay safety); in the main kernel a pairwise loop cost 1.85 of 3.25 ms (H200, B=1,
-     T=8192), in this kernel 228 us (278 at 2 warps, 388 for the previous form, an exp2 per
-     pair; benchmarks/NOTES.md, sessions 15-16).
-  1. G = chunk cumsum of the gate, per column slice of `block_k`, into a fp32 scratch output
-     (private to the program until the w/u kernel reads it), with qg, kg and exp(G_last)
-     written on the way from G read back (fenced): used from registers, Triton computed the
-     gate and its cumsum twice, in the fp32 store's layout and in the bf16 loads' (static SASS
-     for sm_90a: the slice loop 1435 -> 815 instructions unbounded, 1053 -> 632 bounded; H200,
-     B=1, T=8192, one job: the stage 702.0 against 722.2 us bounded, 879.2 against 899.6
-     unbounded; 688.8 and 870.5 at num_stages 1, the default since).
+     Decay safety), and the block-local cumulative gate gb (a [K] add per row of the walk);
+     in the main kernel a pairwise loop cost 1.85 of 3.25 ms (H200, B=1, T=8192), in this
+     kernel 228 us (278 at 2 warps, 388 for the previous form, an exp2 per pair;
+     benchmarks/NOTES.md, sessions 15-16), 241.5 with gb's store.
+  1. G = chunk cumsum of the gate, per column slice of `block_k`, with qg, kg and exp(G_last)
+     written on the way. Bounded gate: into a fp32 scratch output (private to the program
+     until the w/u kernel reads it), from G read back (fenced): used from registers, Triton
+     computed the gate and its cumsum twice, in the fp32 store's layout and in the bf16 loads'
+     (static SASS for sm_90a: the slice loop 1053 -> 632 instructions; H200, B=1, T=8192, one
+     job: the stage 702.0 against 722.2 us; 688.8 at num_stages 1, the default since).
+     Unbounded gate: G = gb + the earlier blocks' last rows of gb wherever a phase reads it
+     (here, in phase 2 and in the w/u kernel), so no gate is formed and no G scratch written
+     (the slice loop 815 -> 312 instructions; H200, 2026-12-02, B=1, T=8192, C = 32, one job:
+     the stage 807.9 against 868.2 us, the prepare kernel 323.3 against 407.8 in the job
+     before; a variant that kept the G scratch took 980.8).
   2. Scores one sub-block of rows at a time: [sub, width] accumulators summed over the column
      slices (loops, not unrolled), stored as rows of A and, for L, into the scratch; the
      unbounded gate's diagonal blocks come from phase 0. Only the key rows a sub-block can
@@ -182,6 +187,16 @@ def _unit_lower_inverse(lmat, *, sub: int):
     return inv + dot(inv, eye - dot(eye + lmat, inv))
 
 
+def _g_from_block_sums(gb_ref, rows, row_ids, cols, *, sub: int):
+    """G of the chunk's rows `rows` (ids row_ids, [n, 1]) over a column slice: the diagonal
+    kernel's block-local sums gb_ref [C, K] plus the earlier blocks' totals (their last rows)."""
+    big_g = gb_ref[rows, cols]
+    for blk in range(1, gb_ref.shape[0] // sub):
+        total = gb_ref[pl.ds(blk * sub - 1, 1), cols]  # block blk - 1's last row
+        big_g = big_g + jnp.where(row_ids >= blk * sub, total, 0.0)
+    return big_g
+
+
 def _apply_t(t_full, out_ref, part, block_k: int):
     """out = T @ part, slice by slice of `block_k` columns: part(cols) is [C, block_k] fp32."""
 
@@ -195,7 +210,7 @@ def _apply_t(t_full, out_ref, part, block_k: int):
 
 
 def _diag_pairwise_kernel(
-    len_ref, q_ref, k_ref, f_ref, ea_ref, dt_ref, a_ref, l_ref, *, lower_bound, l2_eps
+    len_ref, q_ref, k_ref, f_ref, ea_ref, dt_ref, a_ref, l_ref, gb_ref, *, lower_bound, l2_eps
 ):
     """One (sequence, sub-block, head) of the unbounded gate: the diagonal block's scores
     a[i, j] = sum_d q_id k_jd exp(G_id - G_jd) and l[i, j] (the same with k_i) for j <= i, exact
@@ -212,12 +227,14 @@ def _diag_pairwise_kernel(
     - the second half meets the first half's keys, decayed to its last row m = sub/2 - 1, through
       the running product exp(G_i - G_m): one [K] multiply per row, no tile update.
     Each step stores row i of both outputs (two sub/2-column parts); columns not yet set are 0.
+    It also stores the block-local cumulative gate sum_{t <= i} g_t (row by row, a [K] add),
+    from which `_chunk_prepare_kernel` builds G without forming the gate a second time.
 
     A kernel of its own (many small programs, few registers: latency hidden by occupancy) rather
     than a phase of `_chunk_prepare_kernel`, where a pairwise loop measured 1.85 ms at B=1,
     T=8192.
     len_ref: [Bp]; q_ref, k_ref, f_ref: [sub, K/16, 16]; ea_ref, dt_ref: [K/16, 16]; a_ref,
-    l_ref: [sub, sub].
+    l_ref: [sub, sub]; gb_ref: [sub, K/16, 16] fp32, the block-local cumulative gate.
     """
     sub, kq, lanes = q_ref.shape
     half = sub // 2
@@ -236,14 +253,17 @@ def _diag_pairwise_kernel(
         """[K/16, sub, 16] -> [sub]: the in-thread axis first, then the lanes."""
         return jnp.sum(jnp.sum(x, axis=0), axis=1)
 
-    def finish(i, raw):
-        """Row i normalised, and its decay exp(g_i) (1 at pads)."""
+    def finish(i, raw, gsum):
+        """Row i normalised, and its decay exp(g_i) (1 at pads); the cumulative gate to row i
+        stored."""
         q, k, f = (x.astype(f32) for x in raw)
         if l2_eps is not None:
             q = q * lax.rsqrt(jnp.sum(jnp.sum(q * q, axis=1)) + l2_eps)
             k = k * lax.rsqrt(jnp.sum(jnp.sum(k * k, axis=1)) + l2_eps)
         g = jnp.where(row0 + i < length, gate_math(f + dt, ea, lower_bound), 0.0)
-        return q, k, jnp.exp(g)
+        gsum = gsum + g
+        gb_ref[i] = gsum
+        return q, k, jnp.exp(g), gsum
 
     def own_keys(r, q, k, decay, keys):
         """The half's key tile decayed by row i's gate and its column r set to k_i; row i's
@@ -257,17 +277,17 @@ def _diag_pairwise_kernel(
         l_ref[i, cols] = lk
 
     def first(i, carry):
-        keys, raw = carry
-        q, k, decay = finish(i, raw)
+        keys, gsum, raw = carry
+        q, k, decay, gsum = finish(i, raw, gsum)
         raw = fetch(i + 1)  # the next row's loads in flight during this row's work
         keys, a, lk = own_keys(i, q, k, decay, keys)
         store(i, 0, a, lk)
         store(i, 1, zero, zero)
-        return keys, raw
+        return keys, gsum, raw
 
     def second(i, carry):
-        keys0, keys, prod, raw = carry
-        q, k, decay = finish(i, raw)
+        keys0, keys, prod, gsum, raw = carry
+        q, k, decay, gsum = finish(i, raw, gsum)
         raw = fetch(i + 1)
         keys, a, lk = own_keys(i - half, q, k, decay, keys)
         store(i, 1, a, lk)
@@ -275,12 +295,14 @@ def _diag_pairwise_kernel(
         store(
             i, 0, rows_sum(keys0 * (q * prod)[:, None, :]), rows_sum(keys0 * (k * prod)[:, None, :])
         )
-        return keys0, keys, prod, raw
+        return keys0, keys, prod, gsum, raw
 
     zero = jnp.zeros((half,), f32)
     tile = jnp.zeros((kq, half, lanes), f32)
-    keys0, raw = lax.fori_loop(0, half, first, (tile, fetch(0)))  # keys0: k_j exp(G_m - G_j)
-    lax.fori_loop(half, sub, second, (keys0, tile, jnp.ones((kq, lanes), f32), raw))
+    row_zero = jnp.zeros((kq, lanes), f32)
+    # keys0: k_j exp(G_m - G_j)
+    keys0, gsum, raw = lax.fori_loop(0, half, first, (tile, row_zero, fetch(0)))
+    lax.fori_loop(half, sub, second, (keys0, tile, jnp.ones((kq, lanes), f32), gsum, raw))
 
 
 def _chunk_prepare_kernel(
@@ -293,6 +315,7 @@ def _chunk_prepare_kernel(
     dt_ref,
     diag_a_ref,
     diag_l_ref,
+    gb_ref,
     qg_ref,
     kg_ref,
     a_ref,
@@ -310,11 +333,13 @@ def _chunk_prepare_kernel(
 
     len_ref: [Bp] int32; q_ref, k_ref, f_ref: [C, K]; b_ref: [C]; ea_ref (exp A_log
     broadcast over K), dt_ref: [K]; diag_a_ref, diag_l_ref: [C, sub] fp32, the diagonal blocks'
-    pairwise scores from `_diag_pairwise_kernel` (unbounded gate; unused otherwise).
+    pairwise scores from `_diag_pairwise_kernel` (unbounded gate; unused otherwise); gb_ref:
+    [C, K] fp32, that kernel's block-local cumulative gate (G comes from it: f, ea and dt are
+    then not read; unused otherwise).
     Outputs: qg_ref, kg_ref: [C, K]; a_ref: [C, C]; gl_ref: [1, K]. Scratch outputs, private to
     this program until `_chunk_wu_kernel` reads them (fp32): l_scr_ref [C, 2C] holds L then T
     (columns C..2C) and, at the end, beta/||k|| and beta in columns 0 and 1; g_scr_ref [C, K]
-    holds G.
+    holds G (bounded gate; with gb a one-block stand-in, never written).
     """
     c, kd = q_ref.shape
     nb, bk = c // sub, block_k
@@ -361,12 +386,22 @@ def _chunk_prepare_kernel(
 
     # 1. G = chunk-local cumulative log-decay into the scratch, qg, kg and exp(G_last) out, from
     # G read back (fenced) so the gate and its cumsum are formed once (module docstring).
+    def g_rows(rows, row_ids, cols):
+        """G of some rows over a column slice: from the diagonal kernel's block sums (pairwise)
+        or from this kernel's scratch."""
+        if pairwise:
+            return _g_from_block_sums(gb_ref, rows, row_ids, cols, sub=sub)
+        return g_scr_ref[rows, cols]
+
     def cumulative(cols, carry):
-        g_scr_ref[:, cols] = decay(cols)
-        common.barrier()
-        big_g = g_scr_ref[:, cols]
+        if pairwise:
+            big_g = g_rows(all_rows, row, cols)
+        else:
+            g_scr_ref[:, cols] = decay(cols)
+            common.barrier()
+            big_g = g_scr_ref[:, cols]
         q, k = load(q_ref, cols) * rq, load(k_ref, cols) * rk
-        g_last = g_scr_ref[pl.ds(c - 1, 1), cols]
+        g_last = g_rows(pl.ds(c - 1, 1), jnp.full((1, 1), c - 1, jnp.int32), cols)
         qg_ref[:, cols] = (scale * q * jnp.exp(big_g)).astype(qg_ref.dtype)
         kg_ref[:, cols] = (k * jnp.exp(g_last - big_g)).astype(kg_ref.dtype)
         gl_ref[:, cols] = jnp.exp(g_last)
@@ -417,6 +452,7 @@ def _chunk_prepare_kernel(
                 cols,
                 accs,
                 rows=rows,
+                row_ids=row_ids,
                 ok=ok,
                 bq=bq,
                 bkn=bkn,
@@ -428,9 +464,9 @@ def _chunk_prepare_kernel(
                 key_rk=key_rk,
             ):
                 q_b, k_b = load(q_ref, cols, rows, ok) * bq, load(k_ref, cols, rows, ok) * bkn
-                g_r = g_scr_ref[pl.ds(blk * sub, 1), cols]
-                to_r = jnp.exp(g_scr_ref[rows, cols] - g_r)
-                from_r = jnp.where(key_row < last_col, g_r - g_scr_ref[keys, cols], -jnp.inf)
+                g_r = g_rows(pl.ds(blk * sub, 1), jnp.full((1, 1), blk * sub, jnp.int32), cols)
+                to_r = jnp.exp(g_rows(rows, row_ids, cols) - g_r)
+                from_r = jnp.where(key_row < last_col, g_r - g_rows(keys, key_row, cols), -jnp.inf)
                 k_col = load(k_ref, cols, keys, key_ok) * key_rk * jnp.exp(from_r)
                 acc_a, acc_l = accs
                 return acc_a + _dot_nt(q_b * to_r, k_col), acc_l + _dot_nt(k_b * to_r, k_col)
@@ -474,16 +510,23 @@ def _chunk_prepare_kernel(
     l_scr_ref[:, pl.ds(1, 1)] = beta
 
 
-def _chunk_wu_kernel(len_ref, k_ref, v_ref, t_ref, g_ref, w_ref, u_ref, *, sub, block_k):
+def _chunk_wu_kernel(len_ref, k_ref, v_ref, t_ref, g_ref, w_ref, u_ref, *, sub, block_k, sums):
     """Phase 4 of the prepare stage: one (sequence, chunk, head).
 
     len_ref: [Bp] int32; k_ref: [C, K]; v_ref: [C, V]; t_ref: [C, 2C] fp32, the prepare
     kernel's scratch (T in columns C..2C, beta/||k|| and beta in columns 0 and 1); g_ref: [C, K]
-    fp32, G. Outputs: w_ref [C, K] = T (beta k exp(G)), u_ref [C, V] = T (beta v).
+    fp32, G, or with `sums` the diagonal kernel's block-local sums G is built from. Outputs:
+    w_ref [C, K] = T (beta k exp(G)), u_ref [C, V] = T (beta v).
     """
     c = k_ref.shape[0]
     seq, chunk_idx = pl.program_id(0), pl.program_id(1)
-    valid = chunk_idx * c + lax.broadcasted_iota(jnp.int32, (c, 1), 0) < len_ref[seq]
+    row = lax.broadcasted_iota(jnp.int32, (c, 1), 0)
+    valid = chunk_idx * c + row < len_ref[seq]
+
+    def g_of(cols):
+        if sums:
+            return _g_from_block_sums(g_ref, pl.ds(0, c), row, cols, sub=sub)
+        return g_ref[:, cols]
 
     def load(ref, cols):  # 0 at pads and past T (whatever the pads hold)
         return plt.load(ref.at[:, cols], mask=valid, other=0.0).astype(f32)
@@ -492,9 +535,7 @@ def _chunk_wu_kernel(len_ref, k_ref, v_ref, t_ref, g_ref, w_ref, u_ref, *, sub, 
     # T from the scratch's columns C..2C; blocks above the diagonal are never written (0).
     t_full = plt.load(t_ref.at[:, pl.ds(c, c)], mask=rows_cc // sub >= cols_cc // sub, other=0.0)
     w_scale, u_scale = t_ref[:, pl.ds(0, 1)], t_ref[:, pl.ds(1, 1)]
-    _apply_t(
-        t_full, w_ref, lambda cols: w_scale * load(k_ref, cols) * jnp.exp(g_ref[:, cols]), block_k
-    )
+    _apply_t(t_full, w_ref, lambda cols: w_scale * load(k_ref, cols) * jnp.exp(g_of(cols)), block_k)
     _apply_t(t_full, u_ref, lambda cols: u_scale * load(v_ref, cols), block_k)
 
 
@@ -615,7 +656,8 @@ def _chunk_prepare(
     )
     f4 = f.reshape(bsz, t, h, kd)
     sub = blk.sub
-    if _needs_pairwise(lower_bound, sub):
+    pairwise = _needs_pairwise(lower_bound, sub)
+    if pairwise:
         diag_shape = jax.ShapeDtypeStruct((bsz, h, tp, sub), f32)
         # K as [K/16, 16] (free reshapes): the key tiles [K/16, sub/2, 16] then keep 8 of a
         # row's K values in each thread, so its sums over K are 8-term in-thread chains and
@@ -626,9 +668,10 @@ def _chunk_prepare(
         )
         head3 = pl.BlockSpec((None, kq, _DIAG_LANES), lambda s, i, hh: (hh, 0, 0))
         split = lambda x: x.reshape(*x.shape[:-1], kq, _DIAG_LANES)  # noqa: E731
-        diag_a, diag_l = pl.pallas_call(
+        gb_shape = jax.ShapeDtypeStruct((bsz, tp, h, kq, _DIAG_LANES), f32)
+        diag_a, diag_l, gb = pl.pallas_call(
             functools.partial(_diag_pairwise_kernel, lower_bound=lower_bound, l2_eps=l2_eps),
-            out_shape=(diag_shape, diag_shape),
+            out_shape=(diag_shape, diag_shape, gb_shape),
             grid=(bsz, tp // sub, h),
             in_specs=[
                 pl.BlockSpec((lens.shape[0],), lambda s, i, hh: (0,)),
@@ -638,15 +681,20 @@ def _chunk_prepare(
                 head3,
                 head3,
             ],
-            out_specs=2 * (pl.BlockSpec((None, None, sub, sub), lambda s, i, hh: (s, hh, i, 0)),),
+            out_specs=(
+                *2 * (pl.BlockSpec((None, None, sub, sub), lambda s, i, hh: (s, hh, i, 0)),),
+                sub_tok,
+            ),
             compiler_params=plt.CompilerParams(num_warps=blk.diag_warps, num_stages=1),
             name="kda_chunk_diag",
             interpret=common.interpret(),
         )(lens, *(split(x) for x in (q, k, f4, ea, dt)))
-        diag_spec = inter(sub)
-    else:  # not read: the factorised path computes the diagonal blocks with the rest
+        diag_spec, gb, gb_spec = inter(sub), gb.reshape(bsz, tp, h, kd), tok(kd)
+    else:  # not read: the factorised path computes the diagonal blocks and G with the rest
         diag_a = diag_l = jnp.zeros((1, 1, chunk, sub), f32)
         diag_spec = pl.BlockSpec((None, None, chunk, sub), lambda s, c, hh: (0, 0, 0, 0))
+        gb = jnp.zeros((1, chunk, 1, kd), f32)
+        gb_spec = pl.BlockSpec((None, chunk, None, kd), lambda s, c, hh: (0, 0, 0, 0))
     kernel = functools.partial(
         _chunk_prepare_kernel,
         scale=scale,
@@ -655,12 +703,18 @@ def _chunk_prepare(
         sub=sub,
         block_k=blk.block_k,
     )
-    # The last two outputs are the kernel's scratch: L then T, and G.
+    # The last two outputs are the kernel's scratch: L then T, and G (never written when G
+    # comes from the diagonal kernel's block sums: then a one-block stand-in).
     scr_shape = (
         jax.ShapeDtypeStruct((bsz, h, tp, 2 * chunk), f32),
-        jax.ShapeDtypeStruct((bsz, h, tp, kd), f32),
+        jax.ShapeDtypeStruct((1, 1, chunk, kd) if pairwise else (bsz, h, tp, kd), f32),
     )
-    scr_specs = (inter(2 * chunk), inter(kd))
+    scr_specs = (
+        inter(2 * chunk),
+        pl.BlockSpec((None, None, chunk, kd), lambda s, c, hh: (0, 0, 0, 0))
+        if pairwise
+        else inter(kd),
+    )
     kept = [name for name in ChunkIntermediates._fields if name not in ("w", "u")]
     res = pl.pallas_call(
         kernel,
@@ -676,26 +730,28 @@ def _chunk_prepare(
             head,
             diag_spec,
             diag_spec,
+            gb_spec,
         ],
         out_specs=(*(getattr(out_specs, n) for n in kept), *scr_specs),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
         name="kda_chunk_prepare",
         interpret=common.interpret(),
-    )(lens, q, k, f4, b, ea, dt, diag_a, diag_l)
+    )(lens, q, k, f4, b, ea, dt, diag_a, diag_l, gb)
     outs = dict(zip(kept, res[:-2], strict=True))
     outs["w"], outs["u"] = pl.pallas_call(
-        functools.partial(_chunk_wu_kernel, sub=sub, block_k=blk.wu_block_k),
+        functools.partial(_chunk_wu_kernel, sub=sub, block_k=blk.wu_block_k, sums=pairwise),
         out_shape=(out_shape.w, out_shape.u),
         grid=(bsz, n, h),
         in_specs=[
             pl.BlockSpec((lens.shape[0],), lambda s, c, hh: (0,)),
             tok(kd),
             tok(vd),
-            *scr_specs,
+            scr_specs[0],
+            gb_spec if pairwise else scr_specs[1],
         ],
         out_specs=(out_specs.w, out_specs.u),
         compiler_params=plt.CompilerParams(num_warps=blk.wu_warps, num_stages=blk.wu_stages),
         name="kda_chunk_wu",
         interpret=common.interpret(),
-    )(lens, k, v, *res[-2:])
+    )(lens, k, v, res[-2], gb if pairwise else res[-1])
     return ChunkIntermediates(**outs)
