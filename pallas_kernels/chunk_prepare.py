@@ -16,10 +16,12 @@ Structure (registers decide the speed here: the first version held the [C, K] ch
 [sub, sub] tile sets in registers, spilled, and ran 2-3x slower):
   0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs of one
      warp walking the block's rows): the diagonal [sub, sub] blocks of A and L pairwise (see
-     Decay safety), and the block-local cumulative gate gb (a [K] add per row of the walk);
-     in the main kernel a pairwise loop cost 1.85 of 3.25 ms (H200, B=1, T=8192), in this
-     kernel 228 us (278 at 2 warps, 388 for the previous form, an exp2 per pair;
-     benchmarks/NOTES.md, sessions 15-16), 241.5 with gb's store.
+     Decay safety), the block-local cumulative gate gb (a [K] add per row of the walk) and
+     the rows' 1/||q||, 1/||k|| (formed for the walk anyway; the main kernel then walks K for
+     no norms: the stage 770.9 against 775.9 us in one job, H200, B=1, T=8192); in the main
+     kernel a pairwise loop cost 1.85 of 3.25 ms (H200, B=1, T=8192), in this kernel 228 us
+     (278 at 2 warps, 388 for the previous form, an exp2 per pair; benchmarks/NOTES.md,
+     sessions 15-16), 240.5 with the stores of gb and the norms.
   1. G = chunk cumsum of the gate, per column slice of `block_k`, with qg, kg and exp(G_last)
      written on the way. Bounded gate: into a fp32 scratch output (private to the program
      until the w/u kernel reads it), from G read back (fenced): used from registers, Triton
@@ -126,7 +128,8 @@ class PrepareBlockSizes:
         2026-12-02, B=1, T=8192, C = 32, one job: the stage 901.5 us at 1 warp, 959.0 at 2,
         1067.0 at 4, against 1074.6 for the previous kernel, a row walk with an exp2 per pair;
         in the next job the kernel alone 228.4 us at 1 warp against 278.0 at 2 the job before,
-        its compiled tests passing on the GPU).
+        its compiled tests passing on the GPU; 167 registers at 1 warp since the kernel also
+        stores gb and the norms).
       wu_block_k, wu_warps, wu_stages: block_k, num_warps and num_stages of the w/u kernel.
     The w/u defaults are the fastest of one H200 job (2026-12-01, B=1, T=8192, H=32, the
     stage alone, all else at the old defaults 16 x 4 x 1, diag_warps 4, wu 16 x 4 x 1; the
@@ -210,7 +213,19 @@ def _apply_t(t_full, out_ref, part, block_k: int):
 
 
 def _diag_pairwise_kernel(
-    len_ref, q_ref, k_ref, f_ref, ea_ref, dt_ref, a_ref, l_ref, gb_ref, *, lower_bound, l2_eps
+    len_ref,
+    q_ref,
+    k_ref,
+    f_ref,
+    ea_ref,
+    dt_ref,
+    a_ref,
+    l_ref,
+    gb_ref,
+    rn_ref,
+    *,
+    lower_bound,
+    l2_eps,
 ):
     """One (sequence, sub-block, head) of the unbounded gate: the diagonal block's scores
     a[i, j] = sum_d q_id k_jd exp(G_id - G_jd) and l[i, j] (the same with k_i) for j <= i, exact
@@ -228,13 +243,15 @@ def _diag_pairwise_kernel(
       the running product exp(G_i - G_m): one [K] multiply per row, no tile update.
     Each step stores row i of both outputs (two sub/2-column parts); columns not yet set are 0.
     It also stores the block-local cumulative gate sum_{t <= i} g_t (row by row, a [K] add),
-    from which `_chunk_prepare_kernel` builds G without forming the gate a second time.
+    from which `_chunk_prepare_kernel` builds G without forming the gate a second time, and
+    the rows' 1 / ||q|| and 1 / ||k||, which that kernel then does not form either.
 
     A kernel of its own (many small programs, few registers: latency hidden by occupancy) rather
     than a phase of `_chunk_prepare_kernel`, where a pairwise loop measured 1.85 ms at B=1,
     T=8192.
     len_ref: [Bp]; q_ref, k_ref, f_ref: [sub, K/16, 16]; ea_ref, dt_ref: [K/16, 16]; a_ref,
-    l_ref: [sub, sub]; gb_ref: [sub, K/16, 16] fp32, the block-local cumulative gate.
+    l_ref: [sub, sub]; gb_ref: [sub, K/16, 16] fp32, the block-local cumulative gate; rn_ref:
+    [sub, 2] fp32, 1 / ||q|| and 1 / ||k|| per row (1 when q, k come normalised).
     """
     sub, kq, lanes = q_ref.shape
     half = sub // 2
@@ -253,17 +270,19 @@ def _diag_pairwise_kernel(
         """[K/16, sub, 16] -> [sub]: the in-thread axis first, then the lanes."""
         return jnp.sum(jnp.sum(x, axis=0), axis=1)
 
-    def finish(i, raw, gsum):
+    def finish(i, raw, gsum, norms):
         """Row i normalised, and its decay exp(g_i) (1 at pads); the cumulative gate to row i
-        stored."""
+        stored, row i's inverse norms set in `norms`."""
         q, k, f = (x.astype(f32) for x in raw)
         if l2_eps is not None:
-            q = q * lax.rsqrt(jnp.sum(jnp.sum(q * q, axis=1)) + l2_eps)
-            k = k * lax.rsqrt(jnp.sum(jnp.sum(k * k, axis=1)) + l2_eps)
+            rq = lax.rsqrt(jnp.sum(jnp.sum(q * q, axis=1)) + l2_eps)
+            rk = lax.rsqrt(jnp.sum(jnp.sum(k * k, axis=1)) + l2_eps)
+            q, k = q * rq, k * rk
+            norms = jnp.where(nrm_row == i, jnp.where(nrm_col == 0, rq, rk), norms)
         g = jnp.where(row0 + i < length, gate_math(f + dt, ea, lower_bound), 0.0)
         gsum = gsum + g
         gb_ref[i] = gsum
-        return q, k, jnp.exp(g), gsum
+        return q, k, jnp.exp(g), gsum, norms
 
     def own_keys(r, q, k, decay, keys):
         """The half's key tile decayed by row i's gate and its column r set to k_i; row i's
@@ -277,17 +296,17 @@ def _diag_pairwise_kernel(
         l_ref[i, cols] = lk
 
     def first(i, carry):
-        keys, gsum, raw = carry
-        q, k, decay, gsum = finish(i, raw, gsum)
+        keys, gsum, norms, raw = carry
+        q, k, decay, gsum, norms = finish(i, raw, gsum, norms)
         raw = fetch(i + 1)  # the next row's loads in flight during this row's work
         keys, a, lk = own_keys(i, q, k, decay, keys)
         store(i, 0, a, lk)
         store(i, 1, zero, zero)
-        return keys, gsum, raw
+        return keys, gsum, norms, raw
 
     def second(i, carry):
-        keys0, keys, prod, gsum, raw = carry
-        q, k, decay, gsum = finish(i, raw, gsum)
+        keys0, keys, prod, gsum, norms, raw = carry
+        q, k, decay, gsum, norms = finish(i, raw, gsum, norms)
         raw = fetch(i + 1)
         keys, a, lk = own_keys(i - half, q, k, decay, keys)
         store(i, 1, a, lk)
@@ -295,14 +314,18 @@ def _diag_pairwise_kernel(
         store(
             i, 0, rows_sum(keys0 * (q * prod)[:, None, :]), rows_sum(keys0 * (k * prod)[:, None, :])
         )
-        return keys0, keys, prod, gsum, raw
+        return keys0, keys, prod, gsum, norms, raw
 
     zero = jnp.zeros((half,), f32)
     tile = jnp.zeros((kq, half, lanes), f32)
     row_zero = jnp.zeros((kq, lanes), f32)
+    nrm_row = lax.broadcasted_iota(jnp.int32, (sub, 2), 0)
+    nrm_col = lax.broadcasted_iota(jnp.int32, (sub, 2), 1)
+    norms = jnp.ones((sub, 2), f32)
     # keys0: k_j exp(G_m - G_j)
-    keys0, gsum, raw = lax.fori_loop(0, half, first, (tile, row_zero, fetch(0)))
-    lax.fori_loop(half, sub, second, (keys0, tile, jnp.ones((kq, lanes), f32), gsum, raw))
+    keys0, gsum, norms, raw = lax.fori_loop(0, half, first, (tile, row_zero, norms, fetch(0)))
+    carry = (keys0, tile, jnp.ones((kq, lanes), f32), gsum, norms, raw)
+    rn_ref[...] = lax.fori_loop(half, sub, second, carry)[4]
 
 
 def _chunk_prepare_kernel(
@@ -316,6 +339,7 @@ def _chunk_prepare_kernel(
     diag_a_ref,
     diag_l_ref,
     gb_ref,
+    rn_ref,
     qg_ref,
     kg_ref,
     a_ref,
@@ -335,7 +359,8 @@ def _chunk_prepare_kernel(
     broadcast over K), dt_ref: [K]; diag_a_ref, diag_l_ref: [C, sub] fp32, the diagonal blocks'
     pairwise scores from `_diag_pairwise_kernel` (unbounded gate; unused otherwise); gb_ref:
     [C, K] fp32, that kernel's block-local cumulative gate (G comes from it: f, ea and dt are
-    then not read; unused otherwise).
+    then not read; unused otherwise); rn_ref: [C, 2] fp32, its rows' 1 / ||q|| and 1 / ||k||
+    (the same).
     Outputs: qg_ref, kg_ref: [C, K]; a_ref: [C, C]; gl_ref: [1, K]. Scratch outputs, private to
     this program until `_chunk_wu_kernel` reads them (fp32): l_scr_ref [C, 2C] holds L then T
     (columns C..2C) and, at the end, beta/||k|| and beta in columns 0 and 1; g_scr_ref [C, K]
@@ -361,9 +386,12 @@ def _chunk_prepare_kernel(
         return plt.load(ref.at[rows, cols], mask=ok, other=0.0).astype(f32)
 
     def inv_norm(ref, rows=all_rows, ok=valid):
-        """1 / ||x|| per row (FLA's use_qk_l2norm_in_kernel), or 1 when q, k come normalised."""
+        """1 / ||x|| per row (FLA's use_qk_l2norm_in_kernel), or 1 when q, k come normalised;
+        with the unbounded gate the diagonal kernel's."""
         if l2_eps is None:
             return 1.0
+        if pairwise:
+            return rn_ref[rows, pl.ds(0 if ref is q_ref else 1, 1)]
         sq = over_slices(
             kd,
             lambda cols, acc: (
@@ -669,9 +697,10 @@ def _chunk_prepare(
         head3 = pl.BlockSpec((None, kq, _DIAG_LANES), lambda s, i, hh: (hh, 0, 0))
         split = lambda x: x.reshape(*x.shape[:-1], kq, _DIAG_LANES)  # noqa: E731
         gb_shape = jax.ShapeDtypeStruct((bsz, tp, h, kq, _DIAG_LANES), f32)
-        diag_a, diag_l, gb = pl.pallas_call(
+        rn_shape = jax.ShapeDtypeStruct((bsz, h, tp, 2), f32)
+        diag_a, diag_l, gb, rn = pl.pallas_call(
             functools.partial(_diag_pairwise_kernel, lower_bound=lower_bound, l2_eps=l2_eps),
-            out_shape=(diag_shape, diag_shape, gb_shape),
+            out_shape=(diag_shape, diag_shape, gb_shape, rn_shape),
             grid=(bsz, tp // sub, h),
             in_specs=[
                 pl.BlockSpec((lens.shape[0],), lambda s, i, hh: (0,)),
@@ -684,17 +713,20 @@ def _chunk_prepare(
             out_specs=(
                 *2 * (pl.BlockSpec((None, None, sub, sub), lambda s, i, hh: (s, hh, i, 0)),),
                 sub_tok,
+                pl.BlockSpec((None, None, sub, 2), lambda s, i, hh: (s, hh, i, 0)),
             ),
             compiler_params=plt.CompilerParams(num_warps=blk.diag_warps, num_stages=1),
             name="kda_chunk_diag",
             interpret=common.interpret(),
         )(lens, *(split(x) for x in (q, k, f4, ea, dt)))
-        diag_spec, gb, gb_spec = inter(sub), gb.reshape(bsz, tp, h, kd), tok(kd)
+        diag_spec, gb, gb_spec, rn_spec = inter(sub), gb.reshape(bsz, tp, h, kd), tok(kd), inter(2)
     else:  # not read: the factorised path computes the diagonal blocks and G with the rest
         diag_a = diag_l = jnp.zeros((1, 1, chunk, sub), f32)
         diag_spec = pl.BlockSpec((None, None, chunk, sub), lambda s, c, hh: (0, 0, 0, 0))
         gb = jnp.zeros((1, chunk, 1, kd), f32)
         gb_spec = pl.BlockSpec((None, chunk, None, kd), lambda s, c, hh: (0, 0, 0, 0))
+        rn = jnp.zeros((1, 1, chunk, 2), f32)
+        rn_spec = pl.BlockSpec((None, None, chunk, 2), lambda s, c, hh: (0, 0, 0, 0))
     kernel = functools.partial(
         _chunk_prepare_kernel,
         scale=scale,
@@ -731,12 +763,13 @@ def _chunk_prepare(
             diag_spec,
             diag_spec,
             gb_spec,
+            rn_spec,
         ],
         out_specs=(*(getattr(out_specs, n) for n in kept), *scr_specs),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
         name="kda_chunk_prepare",
         interpret=common.interpret(),
-    )(lens, q, k, f4, b, ea, dt, diag_a, diag_l, gb)
+    )(lens, q, k, f4, b, ea, dt, diag_a, diag_l, gb, rn)
     outs = dict(zip(kept, res[:-2], strict=True))
     outs["w"], outs["u"] = pl.pallas_call(
         functools.partial(_chunk_wu_kernel, sub=sub, block_k=blk.wu_block_k, sums=pairwise),
