@@ -412,8 +412,9 @@ def _chunk_prepare_kernel(
     beta = jnp.where(valid[:, 0], beta_math(plt.load(b_ref, mask=valid[:, 0], other=0.0)), 0.0)
     beta = beta[:, None]
 
-    # 1. G = chunk-local cumulative log-decay into the scratch, qg, kg and exp(G_last) out, from
-    # G read back (fenced) so the gate and its cumsum are formed once (module docstring).
+    # 1. G = chunk-local cumulative log-decay, qg, kg and exp(G_last) out. Bounded gate: G into
+    # the scratch and read back (fenced) so the gate and its cumsum are formed once; unbounded:
+    # G from the diagonal kernel's block sums (module docstring).
     def g_rows(rows, row_ids, cols):
         """G of some rows over a column slice: from the diagonal kernel's block sums (pairwise)
         or from this kernel's scratch."""
