@@ -4,8 +4,10 @@
 # diagonal blocks, G and norms (unbounded gate; session 17's job 3 sweep: the stage 749.9
 # against 778.0 us; ptxas 108 registers against 122). Compiled tests in the patched tree, the
 # unbounded stage at its knobs in one process (block_k 64 measured 749.1 beside it), the
-# core against FLA at three shapes (unbounded), and test_forward_pallas.py compiled.
-#   KDA_COMMIT=abc1234 bash benchmarks/wip/job22a.sh          (~420 s of one call)
+# core against FLA at three shapes (unbounded), the core at C = 64 at B=1 T=8192 (C = 32 was
+# chosen in session 13, before the unbounded gate's diagonal kernel took G and the norms), and
+# test_forward_pallas.py compiled.
+#   KDA_COMMIT=abc1234 bash benchmarks/wip/job22a.sh          (~480 s of one call)
 set -uo pipefail
 : "${KDA_COMMIT:?pass the commit as a literal}"
 export KDA_COMMIT
@@ -21,7 +23,10 @@ pack
 run "$st2" core 200 python3 benchmarks/bench_prefill.py --quick --core-only --chunks 32 \
   --shapes 1x8192,4x4096,1x32768 --gates unbounded --out "$OUT/core.json"
 pack
+run "$st2" core64 90 python3 benchmarks/bench_prefill.py --quick --core-only --chunks 64 \
+  --shapes 1x8192 --gates unbounded --out "$OUT/core64.json"
+pack
 run "$st2" tests_fwd 100 $T -x tests/test_forward_pallas.py
 pack
-grep -hE "^chunk_|^prefill_core" "$OUT"/{sweep,core}.log | cut -c1-190
+grep -hE "^chunk_|^prefill_core" "$OUT"/{sweep,core,core64}.log | cut -c1-190
 grep -hE "passed|failed|FAILED|ERROR" "$OUT"/tests_{chunk,fwd}.log | cut -c1-200
