@@ -15,7 +15,7 @@ products per chunk and nothing else:
 Structure (registers decide the speed here: the first version held the [C, K] chunk and whole
 [sub, sub] tile sets in registers, spilled, and ran 2-3x slower):
   0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs of one
-     warp walking the block's rows): the diagonal [sub, sub] blocks of A and L pairwise (see
+     warp walking the block's rows): the diagonal [sub, sub] blocks of A and T pairwise (see
      Decay safety), the block-local cumulative gate gb (a [K] add per row of the walk) and
      the rows' 1/||q||, 1/||k|| (formed for the walk anyway; the main kernel then walks K for
      no norms: the stage 770.9 against 775.9 us in one job, H200, B=1, T=8192); in the main
@@ -39,7 +39,9 @@ Structure (registers decide the speed here: the first version held the [C, K] ch
      see are formed: `width` is the next power of two at or above its last column (H200,
      2026-12-01, B=1, T=8192: the kernel 737 against 752 us bounded, 645 against 746
      unbounded, in one job).
-  3. T = (I + L)^-1 from the scratch's [sub, sub] blocks, stored back into the scratch.
+  3. T = (I + L)^-1 from the scratch's [sub, sub] blocks, stored back into the scratch (the
+     unbounded gate's diagonal T blocks come from phase 0, by forward substitution along its
+     row walk: the stage 704.1 against 755.6 us in one job, H200, B=1, T=8192).
   4. In a second kernel (`kda_chunk_wu`, with its own occupancy: at the defaults ptxas gives it
      119 registers against the first one's 168; H200, 2026-12-01, bounded gate at B=1,
      T=8192: the whole core went from 1771 to 1564 us across the split, in two jobs; a
@@ -217,10 +219,11 @@ def _diag_pairwise_kernel(
     q_ref,
     k_ref,
     f_ref,
+    b_ref,
     ea_ref,
     dt_ref,
     a_ref,
-    l_ref,
+    t_ref,
     gb_ref,
     rn_ref,
     *,
@@ -241,17 +244,22 @@ def _diag_pairwise_kernel(
       tile by exp(g_i), sets column i to k_i and reduces it against q_i and k_i;
     - the second half meets the first half's keys, decayed to its last row m = sub/2 - 1, through
       the running product exp(G_i - G_m): one [K] multiply per row, no tile update.
-    Each step stores row i of both outputs (two sub/2-column parts); columns not yet set are 0.
-    It also stores the block-local cumulative gate sum_{t <= i} g_t (row by row, a [K] add),
-    from which `_chunk_prepare_kernel` builds G without forming the gate a second time, and
-    the rows' 1 / ||q|| and 1 / ||k||, which that kernel then does not form either.
+    Each step stores row i of the scores (two sub/2-column parts; columns not yet set are 0)
+    and forms row i of the block's T = (I + L)^-1, L_ij = beta_i l_ij for j < i, by forward
+    substitution: t_i = e_i - sum_{j<i} L_ij t_j (T's rows kept in two [sub/2, sub] tiles; in
+    the prepare kernel the product form of `_unit_lower_inverse` took 816 of its 2088
+    instructions, static SASS for sm_90a at C = 32). It also stores the block-local
+    cumulative gate sum_{t <= i} g_t (row by row, a [K] add), from which
+    `_chunk_prepare_kernel` builds G without forming the gate a second time, and the rows'
+    1 / ||q|| and 1 / ||k||, which that kernel then does not form either.
 
     A kernel of its own (many small programs, few registers: latency hidden by occupancy) rather
     than a phase of `_chunk_prepare_kernel`, where a pairwise loop measured 1.85 ms at B=1,
     T=8192.
-    len_ref: [Bp]; q_ref, k_ref, f_ref: [sub, K/16, 16]; ea_ref, dt_ref: [K/16, 16]; a_ref,
-    l_ref: [sub, sub]; gb_ref: [sub, K/16, 16] fp32, the block-local cumulative gate; rn_ref:
-    [sub, 2] fp32, 1 / ||q|| and 1 / ||k|| per row (1 when q, k come normalised).
+    len_ref: [Bp]; q_ref, k_ref, f_ref: [sub, K/16, 16]; b_ref: [sub], beta logits; ea_ref,
+    dt_ref: [K/16, 16]; a_ref: [sub, sub], the scores; t_ref: [sub, sub], the block's T;
+    gb_ref: [sub, K/16, 16] fp32, the block-local cumulative gate; rn_ref: [sub, 2] fp32,
+    1 / ||q|| and 1 / ||k|| per row (1 when q, k come normalised).
     """
     sub, kq, lanes = q_ref.shape
     half = sub // 2
@@ -262,9 +270,13 @@ def _diag_pairwise_kernel(
     dt = dt_ref[...].astype(f32)
 
     def fetch(i):
-        """Row i of q, k and f as loaded (0 at pads and past the block), [K/16, 16]."""
+        """Row i of q, k and f as loaded (0 at pads and past the block), [K/16, 16], and
+        its beta logit, [1]."""
         ok, at = (i < sub) & (row0 + i < length), jnp.minimum(i, sub - 1)
-        return tuple(plt.load(r.at[at], mask=ok, other=0.0) for r in (q_ref, k_ref, f_ref))
+        rows = tuple(plt.load(r.at[at], mask=ok, other=0.0) for r in (q_ref, k_ref, f_ref))
+        idx = row0 + i + jnp.zeros((1,), jnp.int32)
+        ok1 = (idx < length) & (idx < row0 + sub)
+        return (*rows, plt.load(b_ref.at[pl.ds(at, 1)], mask=ok1, other=0.0))
 
     def rows_sum(x):
         """[K/16, sub, 16] -> [sub]: the in-thread axis first, then the lanes."""
@@ -273,7 +285,8 @@ def _diag_pairwise_kernel(
     def finish(i, raw, gsum, norms):
         """Row i normalised, and its decay exp(g_i) (1 at pads); the cumulative gate to row i
         stored, row i's inverse norms set in `norms`."""
-        q, k, f = (x.astype(f32) for x in raw)
+        q, k, f, b = (x.astype(f32) for x in raw)
+        beta = jnp.where(row0 + i < length, beta_math(b), 0.0)  # [1]
         if l2_eps is not None:
             rq = lax.rsqrt(jnp.sum(jnp.sum(q * q, axis=1)) + l2_eps)
             rk = lax.rsqrt(jnp.sum(jnp.sum(k * k, axis=1)) + l2_eps)
@@ -282,7 +295,7 @@ def _diag_pairwise_kernel(
         g = jnp.where(row0 + i < length, gate_math(f + dt, ea, lower_bound), 0.0)
         gsum = gsum + g
         gb_ref[i] = gsum
-        return q, k, jnp.exp(g), gsum, norms
+        return q, k, jnp.exp(g), beta, gsum, norms
 
     def own_keys(r, q, k, decay, keys):
         """The half's key tile decayed by row i's gate and its column r set to k_i; row i's
@@ -290,31 +303,38 @@ def _diag_pairwise_kernel(
         keys = jnp.where(cid == r, k[:, None, :], keys * decay[:, None, :])
         return keys, rows_sum(keys * q[:, None, :]), rows_sum(keys * k[:, None, :])
 
-    def store(i, part, a, lk):
-        cols = pl.ds(part * half, half)
-        a_ref[i, cols] = a
-        l_ref[i, cols] = lk
+    def t_row(i, beta, parts):
+        """Row i of T = (I + L)^-1 by forward substitution, t_i = e_i - sum_{j<i} L_ij t_j,
+        from the row's k-k scores against each half's keys (already 0 at j > i) and the T rows
+        of each half so far (0 at rows >= i)."""
+        t = jnp.where(t_col == i, 1.0, 0.0)
+        for r, (lk, t_half) in enumerate(parts):
+            l_part = beta * jnp.where(half * r + t_key < i, lk, 0.0)
+            t = t - jnp.sum(l_part[:, None] * t_half, axis=0)
+        return t
 
     def first(i, carry):
-        keys, gsum, norms, raw = carry
-        q, k, decay, gsum, norms = finish(i, raw, gsum, norms)
+        keys, t0, gsum, norms, raw = carry
+        q, k, decay, beta, gsum, norms = finish(i, raw, gsum, norms)
         raw = fetch(i + 1)  # the next row's loads in flight during this row's work
         keys, a, lk = own_keys(i, q, k, decay, keys)
-        store(i, 0, a, lk)
-        store(i, 1, zero, zero)
-        return keys, gsum, norms, raw
+        a_ref[i, pl.ds(0, half)] = a
+        a_ref[i, pl.ds(half, half)] = zero
+        t0 = jnp.where(t_key[:, None] == i, t_row(i, beta, [(lk, t0)])[None, :], t0)
+        return keys, t0, gsum, norms, raw
 
     def second(i, carry):
-        keys0, keys, prod, gsum, norms, raw = carry
-        q, k, decay, gsum, norms = finish(i, raw, gsum, norms)
+        keys0, t0, keys, t1, prod, gsum, norms, raw = carry
+        q, k, decay, beta, gsum, norms = finish(i, raw, gsum, norms)
         raw = fetch(i + 1)
         keys, a, lk = own_keys(i - half, q, k, decay, keys)
-        store(i, 1, a, lk)
         prod = prod * decay  # exp(G_i - G_m), m = sub/2 - 1
-        store(
-            i, 0, rows_sum(keys0 * (q * prod)[:, None, :]), rows_sum(keys0 * (k * prod)[:, None, :])
-        )
-        return keys0, keys, prod, gsum, norms, raw
+        a_ref[i, pl.ds(0, half)] = rows_sum(keys0 * (q * prod)[:, None, :])
+        a_ref[i, pl.ds(half, half)] = a
+        lk0 = rows_sum(keys0 * (k * prod)[:, None, :])
+        t = t_row(i, beta, [(lk0, t0), (lk, t1)])
+        t1 = jnp.where(t_key[:, None] == i - half, t[None, :], t1)
+        return keys0, t0, keys, t1, prod, gsum, norms, raw
 
     zero = jnp.zeros((half,), f32)
     tile = jnp.zeros((kq, half, lanes), f32)
@@ -322,10 +342,18 @@ def _diag_pairwise_kernel(
     nrm_row = lax.broadcasted_iota(jnp.int32, (sub, 2), 0)
     nrm_col = lax.broadcasted_iota(jnp.int32, (sub, 2), 1)
     norms = jnp.ones((sub, 2), f32)
+    t_key = lax.broadcasted_iota(jnp.int32, (half,), 0)  # a half's row (key) of T
+    t_col = lax.broadcasted_iota(jnp.int32, (sub,), 0)
+    t_zero = jnp.zeros((half, sub), f32)
     # keys0: k_j exp(G_m - G_j)
-    keys0, gsum, norms, raw = lax.fori_loop(0, half, first, (tile, row_zero, norms, fetch(0)))
-    carry = (keys0, tile, jnp.ones((kq, lanes), f32), gsum, norms, raw)
-    rn_ref[...] = lax.fori_loop(half, sub, second, carry)[4]
+    keys0, t0, gsum, norms, raw = lax.fori_loop(
+        0, half, first, (tile, t_zero, row_zero, norms, fetch(0))
+    )
+    carry = (keys0, t0, tile, t_zero, jnp.ones((kq, lanes), f32), gsum, norms, raw)
+    _, t0, _, t1, _, _, norms, _ = lax.fori_loop(half, sub, second, carry)
+    rn_ref[...] = norms
+    t_ref[pl.ds(0, half), :] = t0
+    t_ref[pl.ds(half, half), :] = t1
 
 
 def _chunk_prepare_kernel(
@@ -337,7 +365,7 @@ def _chunk_prepare_kernel(
     ea_ref,
     dt_ref,
     diag_a_ref,
-    diag_l_ref,
+    diag_t_ref,
     gb_ref,
     rn_ref,
     qg_ref,
@@ -356,11 +384,11 @@ def _chunk_prepare_kernel(
     """One (sequence, chunk, head).
 
     len_ref: [Bp] int32; q_ref, k_ref, f_ref: [C, K]; b_ref: [C]; ea_ref (exp A_log
-    broadcast over K), dt_ref: [K]; diag_a_ref, diag_l_ref: [C, sub] fp32, the diagonal blocks'
-    pairwise scores from `_diag_pairwise_kernel` (unbounded gate; unused otherwise); gb_ref:
-    [C, K] fp32, that kernel's block-local cumulative gate (G comes from it: f, ea and dt are
-    then not read; unused otherwise); rn_ref: [C, 2] fp32, its rows' 1 / ||q|| and 1 / ||k||
-    (the same).
+    broadcast over K), dt_ref: [K]; diag_a_ref, diag_t_ref: [C, sub] fp32, the diagonal blocks'
+    pairwise scores and T blocks from `_diag_pairwise_kernel` (unbounded gate; unused
+    otherwise); gb_ref: [C, K] fp32, that kernel's block-local cumulative gate (G comes from
+    it: f, ea and dt are then not read; unused otherwise); rn_ref: [C, 2] fp32, its rows'
+    1 / ||q|| and 1 / ||k|| (the same).
     Outputs: qg_ref, kg_ref: [C, K]; a_ref: [C, C]; gl_ref: [1, K]. Scratch outputs, private to
     this program until `_chunk_wu_kernel` reads them (fp32): l_scr_ref [C, 2C] holds L then T
     (columns C..2C) and, at the end, beta/||k|| and beta in columns 0 and 1; g_scr_ref [C, K]
@@ -448,7 +476,6 @@ def _chunk_prepare_kernel(
     # own block's columns this way (the second factor then stays below e^80); otherwise the
     # diagonal block is computed pairwise from block-local decay sums (exact at any strength).
     cols_c = lax.broadcasted_iota(jnp.int32, (1, c), 1)
-    rs, cs = _rows_and_cols(sub)
 
     for blk in range(nb):
         rows = pl.ds(blk * sub, sub)
@@ -509,9 +536,7 @@ def _chunk_prepare_kernel(
             plt.store(a_ref.at[rows, keys], a_rows, mask=off & (row_ids >= 0))
             plt.store(l_scr_ref.at[rows, keys], l_rows, mask=off & (row_ids >= 0))
         if pairwise:  # the diagonal block beside the rest of the rows (disjoint addresses)
-            diag_a, diag_l = diag_a_ref[rows, :], diag_l_ref[rows, :]
-            a_ref[rows, pl.ds(blk * sub, sub)] = (scale * diag_a).astype(a_ref.dtype)
-            l_scr_ref[rows, pl.ds(blk * sub, sub)] = jnp.where(rs > cs, beta_b * diag_l, 0.0)
+            a_ref[rows, pl.ds(blk * sub, sub)] = (scale * diag_a_ref[rows, :]).astype(a_ref.dtype)
     common.barrier()
 
     # 3. T = (I + L)^-1 by sub-blocks (T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ), into the scratch.
@@ -522,7 +547,10 @@ def _chunk_prepare_kernel(
         return l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + j * sub, sub)]
 
     for i in range(nb):  # row i needs T of rows < i only: stored and fenced by then
-        t_ii = _unit_lower_inverse(l_blk(i, i), sub=sub)
+        if pairwise:  # the diagonal kernel's forward substitution
+            t_ii = diag_t_ref[pl.ds(i * sub, sub), :]
+        else:
+            t_ii = _unit_lower_inverse(l_blk(i, i), sub=sub)
         l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + i * sub, sub)] = t_ii
         for j in range(i - 1, -1, -1):
             acc = sum(
@@ -699,7 +727,7 @@ def _chunk_prepare(
         split = lambda x: x.reshape(*x.shape[:-1], kq, _DIAG_LANES)  # noqa: E731
         gb_shape = jax.ShapeDtypeStruct((bsz, tp, h, kq, _DIAG_LANES), f32)
         rn_shape = jax.ShapeDtypeStruct((bsz, h, tp, 2), f32)
-        diag_a, diag_l, gb, rn = pl.pallas_call(
+        diag_a, diag_t, gb, rn = pl.pallas_call(
             functools.partial(_diag_pairwise_kernel, lower_bound=lower_bound, l2_eps=l2_eps),
             out_shape=(diag_shape, diag_shape, gb_shape, rn_shape),
             grid=(bsz, tp // sub, h),
@@ -708,6 +736,7 @@ def _chunk_prepare(
                 sub_tok,
                 sub_tok,
                 sub_tok,
+                pl.BlockSpec((None, sub, None), lambda s, i, hh: (s, i, hh)),
                 head3,
                 head3,
             ],
@@ -719,10 +748,10 @@ def _chunk_prepare(
             compiler_params=plt.CompilerParams(num_warps=blk.diag_warps, num_stages=1),
             name="kda_chunk_diag",
             interpret=common.interpret(),
-        )(lens, *(split(x) for x in (q, k, f4, ea, dt)))
+        )(lens, *(split(x) for x in (q, k, f4)), b, split(ea), split(dt))
         diag_spec, gb, gb_spec, rn_spec = inter(sub), gb.reshape(bsz, tp, h, kd), tok(kd), inter(2)
     else:  # not read: the factorised path computes the diagonal blocks and G with the rest
-        diag_a = diag_l = jnp.zeros((1, 1, chunk, sub), f32)
+        diag_a = diag_t = jnp.zeros((1, 1, chunk, sub), f32)
         diag_spec = pl.BlockSpec((None, None, chunk, sub), lambda s, c, hh: (0, 0, 0, 0))
         gb = jnp.zeros((1, chunk, 1, kd), f32)
         gb_spec = pl.BlockSpec((None, chunk, None, kd), lambda s, c, hh: (0, 0, 0, 0))
@@ -770,7 +799,7 @@ def _chunk_prepare(
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
         name="kda_chunk_prepare",
         interpret=common.interpret(),
-    )(lens, q, k, f4, b, ea, dt, diag_a, diag_l, gb, rn)
+    )(lens, q, k, f4, b, ea, dt, diag_a, diag_t, gb, rn)
     outs = dict(zip(kept, res[:-2], strict=True))
     outs["w"], outs["u"] = pl.pallas_call(
         functools.partial(_chunk_wu_kernel, sub=sub, block_k=blk.wu_block_k, sums=pairwise),
