@@ -225,22 +225,29 @@ def test_prepare_strong_decay_is_finite_and_exact(rng):
         assert_close(getattr(got, name), getattr(want, name), FP32_TOL, name)
 
 
-def test_prepare_inverse_vs_float64_solve(rng):
-    """(I+L)^-1 by sub-block forward substitution against a float64 solve, on an ill-conditioned
-    chunk (correlated keys, beta near 1, weak decay): no worse than fp32 solve_triangular."""
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
+def test_prepare_inverse_vs_float64_solve(rng, lower_bound):
+    """(I+L)^-1 against a float64 solve, on an ill-conditioned chunk (correlated keys, beta near
+    1, weak decay): no worse than fp32 solve_triangular. The unbounded gate's diagonal blocks
+    come from the diagonal kernel's forward substitution, the bounded gate's from the product
+    form (`_unit_lower_inverse`); the off-diagonal blocks are block substitution in both."""
+    # Weak decay: unbounded exp(A_log) ~ e^-6; bounded lb sigmoid(exp(A_log) u) with A_log ~ 0
+    # and u ~ -8, ~2e-3 per token.
     q, k, v, f, beta, _, _, lengths, a_log, dt_bias, _ = _inputs(
-        rng, b=1, t=64, decay="weak", poison=False
+        rng, b=1, t=64, decay="weak" if lower_bound is None else "moderate", poison=False
     )
+    if lower_bound is not None:
+        f = f - 8.0
     base = normal(jax.random.fold_in(rng, 1), (1, 1, H, K))
     k = base + 0.25 * k
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
     beta = 3.0 + 0.1 * beta
     args = (q, k, v, f, beta, lengths, a_log, dt_bias)
-    kw = dict(scale=K**-0.5, chunk=64, lower_bound=None)
+    kw = dict(scale=K**-0.5, chunk=64, lower_bound=lower_bound)
     got = chunk_prepare(*args, **kw, mm_dtype=f32)
     fp32_solve = ref.chunk_prepare_reference(*args, **kw, mm_dtype=f32)[3]
     # float64: the same L and beta*v from float64 math, solved in float64.
-    g, bt = ref.gate_reference(f, beta, a_log, dt_bias, head_dim=K, lower_bound=None)
+    g, bt = ref.gate_reference(f, beta, a_log, dt_bias, head_dim=K, lower_bound=lower_bound)
     g64, k64, v64 = (np.asarray(x[0], np.float64).transpose(1, 0, 2) for x in (g, k, v))
     b64 = np.asarray(bt[0], np.float64).T[..., None]  # [H, T, 1]
     gc = np.cumsum(g64, axis=1)
