@@ -121,7 +121,8 @@ class PrepareBlockSizes:
       num_warps: Triton warps per program (8 and 2 measured slower than 4).
       num_stages: Triton software-pipelining depth of the slice loops' loads (1; ptxas at
         sm_90a with phase 1 forming the gate once: 125 registers bounded and 124 unbounded at
-        1, 4 programs/SM; 142 and 127 at 2, with 17 and 11 KB of shared memory for the
+        1 (120 unbounded since T's diagonal blocks come from the diagonal kernel), 4
+        programs/SM; 142 and 127 at 2, with 17 and 11 KB of shared memory for the
         pipelined loads. H200, 2026-12-02, B=1, T=8192, C = 32, one job: the stage 688.8
         against 702.0 us bounded, 870.5 against 879.2 unbounded; 2 had been the faster depth
         before that change).
@@ -130,8 +131,8 @@ class PrepareBlockSizes:
         2026-12-02, B=1, T=8192, C = 32, one job: the stage 901.5 us at 1 warp, 959.0 at 2,
         1067.0 at 4, against 1074.6 for the previous kernel, a row walk with an exp2 per pair;
         in the next job the kernel alone 228.4 us at 1 warp against 278.0 at 2 the job before,
-        its compiled tests passing on the GPU; 167 registers at 1 warp since the kernel also
-        stores gb and the norms).
+        its compiled tests passing on the GPU; 168 registers at 1 warp since the kernel also
+        stores gb and the norms and forms T's diagonal blocks).
       wu_block_k, wu_warps, wu_stages: block_k, num_warps and num_stages of the w/u kernel.
     The w/u defaults are the fastest of one H200 job (2026-12-01, B=1, T=8192, H=32, the
     stage alone, all else at the old defaults 16 x 4 x 1, diag_warps 4, wu 16 x 4 x 1; the
