@@ -15,8 +15,8 @@ products per chunk and nothing else:
 Structure (registers decide the speed here: the first version held the [C, K] chunk and whole
 [sub, sub] tile sets in registers, spilled, and ran 2-3x slower):
   0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs of one
-     warp walking the block's rows): the diagonal [sub, sub] blocks of A and T pairwise (see
-     Decay safety), the block-local cumulative gate gb (a [K] add per row of the walk) and
+     warp walking the block's rows): the diagonal [sub, sub] blocks of A pairwise (see Decay
+     safety) and of T by forward substitution along the walk, the block-local cumulative gate gb (a [K] add per row of the walk) and
      the rows' 1/||q||, 1/||k|| (formed for the walk anyway; the main kernel then walks K for
      no norms: the stage 770.9 against 775.9 us in one job, H200, B=1, T=8192); in the main
      kernel a pairwise loop cost 1.85 of 3.25 ms (H200, B=1, T=8192), in this kernel 228 us
