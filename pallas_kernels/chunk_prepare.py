@@ -16,9 +16,10 @@ Structure (registers decide the speed here: the first version held the [C, K] ch
 [sub, sub] tile sets in registers, spilled, and ran 2-3x slower):
   0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs of one
      warp walking the block's rows): the diagonal [sub, sub] blocks of A pairwise (see Decay
-     safety) and of T by forward substitution along the walk, the block-local cumulative gate gb (a [K] add per row of the walk) and
-     the rows' 1/||q||, 1/||k|| (formed for the walk anyway; the main kernel then walks K for
-     no norms: the stage 770.9 against 775.9 us in one job, H200, B=1, T=8192); in the main
+     safety) and of T by forward substitution along the walk, the block-local cumulative
+     gate gb (a [K] add per row of the walk) and the rows' 1/||q||, 1/||k|| (formed for the
+     walk anyway; the main kernel then walks K for no norms: the stage 770.9 against 775.9
+     us in one job, H200, B=1, T=8192); in the main
      kernel a pairwise loop cost 1.85 of 3.25 ms (H200, B=1, T=8192), in this kernel 228 us
      (278 at 2 warps, 388 for the previous form, an exp2 per pair; benchmarks/NOTES.md,
      sessions 15-16), 240.5 with the stores of gb and the norms.
