@@ -4,9 +4,10 @@
 # T, G and the norms; the main kernel then forms no gate, no norms and inverts nothing)? In
 # session 18's job 1 the bounded stage took 657.7 us and the unbounded 755.6 -> 704.1 with T
 # moved; the bounded gate's sigmoid is cheaper in the row walk than the softplus. A timing
-# experiment: `force_pairwise.patch` sends every gate through the pairwise path (the existing
-# c32-strong-bounded tests cover that path for a bounded gate). If it wins, the factorised
-# path could go (one path fewer) after compiled tests.
+# experiment: `force_pairwise.patch` sends every gate through the pairwise path. With it,
+# test_chunk.py -k prepare passes on the CPU but for test_prepare_lowers_for_h200[bounded],
+# which asserts that the bounded gate has no diagonal kernel. If it wins, the factorised path
+# could go (one path fewer) after compiled tests.
 #   KDA_COMMIT=abc1234 bash benchmarks/wip/job24b.sh          (~200 s of one call)
 set -uo pipefail
 : "${KDA_COMMIT:?pass the commit as a literal}"
