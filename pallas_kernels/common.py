@@ -9,7 +9,7 @@ import os
 import jax
 from jax.experimental.pallas import triton as plt
 
-__all__ = ["TARGET_PROGRAMS", "interpret", "barrier", "bounds", "next_pow2", "cdiv"]
+__all__ = ["TARGET_PROGRAMS", "interpret", "hopper", "barrier", "bounds", "next_pow2", "cdiv"]
 
 # Two programs per SM of the H200 (132 SMs): the fill that the decode kernels' tilings aim for.
 TARGET_PROGRAMS = 2 * 132
@@ -24,6 +24,15 @@ def interpret() -> bool:
     if os.environ.get("KDA_PALLAS_INTERPRET", "") == "1":
         return True
     return jax.default_backend() != "gpu"
+
+
+def hopper() -> bool:
+    """True when the kernels are built for sm_90 or newer (the Mosaic GPU kernels need TMA and
+    wgmma): on a GPU, by its compute capability; elsewhere (interpret mode, cross-lowering for
+    the H200) always, so a CPU runs the kernels an H200 runs."""
+    if jax.default_backend() != "gpu":
+        return True
+    return int(str(jax.devices()[0].compute_capability).split(".")[0]) >= 9
 
 
 def barrier() -> None:

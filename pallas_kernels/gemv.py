@@ -55,7 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import common
+from pallas_kernels import common, gemv_mgpu
 from pallas_kernels import reference as ref
 
 __all__ = [
@@ -505,10 +505,13 @@ def proj(x: jax.Array, w: jax.Array, *, out_dtype=None, splits: tuple[int, ...] 
     """The projection stage of the block: y = x @ w.T, fp32 accumulation (`gemv_reference`).
 
     Dispatch on the row count M (a static shape, so one branch is traced; inputs are validated
-    the same way on both branches):
-    - M == 1: `gemv`; 2 <= M <= 64: `gemv_batchm` (decode and the speculative verify, where the
-      product is bound by reading the weight once; rows agree bit for bit across M <= 8, and
-      rows above 8 take a tiling of their own);
+    the same way on every branch):
+    - M <= 16 on Hopper, for a bf16 weight and output with at least one 64-row tile per SM and
+      shapes TMA can move (`gemv_mgpu.mgpu_fits`: the decode step's w_in): the Mosaic GPU
+      kernel `gemv_mgpu.gemv_mgpu` (rows agree bit for bit across M <= 16);
+    - otherwise M == 1: `gemv`; 2 <= M <= 64: `gemv_batchm` (decode and the speculative verify,
+      where the product is bound by reading the weight once; rows agree bit for bit across
+      M <= 8, and rows above 8 take a tiling of their own);
     - M > 64 (prefill): XLA's dot (`reference.gemv_reference`, cuBLAS or a Triton GEMM fusion on
       a GPU): with many rows the product is a real matmul and tensor-core GEMM tiles beat a
       weight-streaming kernel. This is a deliberate split, not a fallback: rows there do not
@@ -527,6 +530,10 @@ def proj(x: jax.Array, w: jax.Array, *, out_dtype=None, splits: tuple[int, ...] 
     m = x.shape[0]
     if m <= MAX_TILE_ROWS:
         what, rng = ("gemv", (1, 1)) if m == 1 else ("gemv_batchm", (2, MAX_TILE_ROWS))
+        if common.hopper() and gemv_mgpu.mgpu_fits(x.shape, w.shape, w.dtype, out_dtype, splits):
+            _check(x, w, what, rng)
+            _bounds(w.shape[0], splits)
+            return gemv_mgpu.gemv_mgpu(x, w, splits=splits)
         return _run([x], [w], out_dtype, None, splits, what, rng)[0]
     _check(x, w, "proj", (m, m))
     _bounds(w.shape[0], splits)  # the kernel path's rules for splits, so both refuse alike

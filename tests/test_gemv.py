@@ -282,8 +282,11 @@ def test_splits_and_groups_lower_for_h200():
     """w_in with its four segments and f_b | g_b as one launch, at the real shapes."""
     x = jax.ShapeDtypeStruct((1, W_IN[1]), BF16)
     w = jax.ShapeDtypeStruct(W_IN, BF16)
-    text = lower_for_h200(lambda x, w: G.proj(x, w, splits=(3 * 4096, 128, 128, 32)), x, w)
+    text = lower_for_h200(lambda x, w: G.gemv(x, w, splits=(3 * 4096, 128, 128, 32)), x, w)
     assert text.count("xla.gpu.triton") == 1, "expected one kernel for the four segments"
+    # proj sends w_in to the Mosaic GPU kernel (test_gemv_mgpu.py), also one launch.
+    text = lower_for_h200(lambda x, w: G.proj(x, w, splits=(3 * 4096, 128, 128, 32)), x, w)
+    assert "xla.gpu.triton" not in text and text.count("custom_call @mosaic_gpu") == 1
     x = jax.ShapeDtypeStruct((4, F_B[1]), BF16)
     w = jax.ShapeDtypeStruct(F_B, BF16)
     text = lower_for_h200(lambda x, w: G.proj_many((x, x), (w, w)), x, w)
