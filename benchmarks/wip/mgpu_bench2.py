@@ -1,7 +1,8 @@
 """Session 19, job 2: w_in less its b part, [12544, 2304], at M = 1 and 8, kernel time by
-CUPTI only, for the Triton gemv (the product's), the weight-as-A GEMV with an identity-wgmma
-transpose (`gemv_wt_mgpu.py`) and the x-as-A GEMV (`pallas_kernels/gemv_mgpu.py`) at tilings with fewer
-shared-memory bytes per CTA than job 1's.
+CUPTI only: the Triton gemv (the product's), the weight-as-A GEMV with an identity-wgmma
+transpose (`gemv_wt_mgpu.py`), and session 19's first x-as-A GEMV (the first version of
+`pallas_kernels/gemv_mgpu.py`, commit d4c7617) at tilings with fewer shared-memory bytes per CTA
+than job 1's.
 
     python benchmarks/wip/mgpu_bench2.py --out OUT.json
 """
