@@ -127,6 +127,10 @@ class PrepareBlockSizes:
         pipelined loads. H200, 2026-12-02, B=1, T=8192, C = 32, one job: the stage 688.8
         against 702.0 us bounded, 870.5 against 879.2 unbounded; 2 had been the faster depth
         before that change).
+      pairwise_block_k: block_k of the same kernel when the diagonal kernel supplies its
+        diagonal blocks, G and norms (the unbounded gate; 64: ptxas at sm_90a 136 registers,
+        3 programs/SM, against 120 and 4 at 32. H200, 2026-12-02, B=1, T=8192, C = 32, one
+        job: the stage 667.1 against 699.5 and 690.3 us at 32).
       diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel (1;
         ptxas at sm_90a: 159 registers at 1 warp (12 programs/SM), 96 at 2, 72 at 4. H200,
         2026-12-02, B=1, T=8192, C = 32, one job: the stage 901.5 us at 1 warp, 959.0 at 2,
@@ -148,6 +152,7 @@ class PrepareBlockSizes:
     block_k: int = 32
     num_warps: int = 4
     num_stages: int = 1
+    pairwise_block_k: int = 64
     diag_warps: int = 1
     wu_block_k: int = 64
     wu_warps: int = 4
@@ -157,7 +162,11 @@ class PrepareBlockSizes:
     def default_for(k: int, v: int) -> PrepareBlockSizes:
         """The defaults, with both kernels' slices no wider than K and V (powers of two >= 16)."""
         d = PrepareBlockSizes
-        return d(block_k=min(d.block_k, k, v), wu_block_k=min(d.wu_block_k, k, v))
+        return d(
+            block_k=min(d.block_k, k, v),
+            pairwise_block_k=min(d.pairwise_block_k, k, v),
+            wu_block_k=min(d.wu_block_k, k, v),
+        )
 
 
 def _rows_and_cols(n: int):
@@ -618,7 +627,7 @@ def _check_shapes(q, k, v, f, b, lengths, a_log, dt_bias, chunk, blk):
             raise ValueError(f"chunk_prepare: {name}={n} must be a power of two >= 16")
     if chunk % blk.sub:
         raise ValueError(f"chunk_prepare: chunk={chunk} must be a multiple of sub={blk.sub}")
-    for name in ("block_k", "wu_block_k"):
+    for name in ("block_k", "pairwise_block_k", "wu_block_k"):
         bk = getattr(blk, name)
         if bk < 16 or bk & (bk - 1) or kd % bk or vd % bk:
             raise ValueError(
@@ -765,7 +774,7 @@ def _chunk_prepare(
         lower_bound=lower_bound,
         l2_eps=l2_eps,
         sub=sub,
-        block_k=blk.block_k,
+        block_k=blk.pairwise_block_k if pairwise else blk.block_k,
     )
     # The last two outputs are the kernel's scratch: L then T, and G (never written when G
     # comes from the diagonal kernel's block sums: then a one-block stand-in).

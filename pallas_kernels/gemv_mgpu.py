@@ -25,10 +25,12 @@ accumulations per element: a row's bits do not depend on M or on the other rows 
 `decode_k` equal k serial `decode`s).
 
 What it serves (`mgpu_fits`, checked): bf16 weights and output, 1 <= M <= 16, D a multiple of
-8 (TMA row strides are whole 16-byte units), part widths multiples of 8 columns, every part but
-the last starting at a multiple of block_n, and at least one 64-row tile per SM (a weight with
-fewer, such as o_proj, needs its D split, which the Triton sweep does). `gemv.proj` sends such
-calls here on Hopper and the rest to the Triton sweep.
+64, part widths that are multiples of 8 and either multiples of 64 or narrower than 64 (Mosaic
+GPU's lowering refuses a swizzled TMA copy of 64-column tiles into an array whose minor size is
+neither, e.g. w_in as one [M, 12576] array), every part but the last starting at a multiple of
+block_n, and at least one 64-row tile per SM (a weight with fewer, such as o_proj, needs its D
+split, which the Triton sweep does). `gemv.proj` sends such calls here on Hopper and the rest to
+the Triton sweep.
 """
 
 from __future__ import annotations
@@ -89,9 +91,9 @@ def mgpu_fits(x_shape, w_shape, w_dtype, out_dtype, splits) -> bool:
         jnp.dtype(w_dtype) == bf16
         and jnp.dtype(out_dtype or w_dtype) == bf16
         and 1 <= m <= MAX_ROWS
-        and d % 8 == 0
+        and d % 64 == 0
         and sum(widths) == n
-        and all(w > 0 and w % 8 == 0 for w in widths)
+        and all(w > 0 and w % 8 == 0 and (w % bn == 0 or w < bn) for w in widths)
         and all(b % bn == 0 for b in bounds[1:-1])
         and common.cdiv(n, bn) >= _SMS
     )
@@ -198,7 +200,7 @@ def gemv_mgpu(
         raise ValueError(
             f"gemv_mgpu: x {tuple(x.shape)}, w {tuple(w.shape)} {w.dtype}, splits {splits}: "
             f"expected bf16 w [N, D] with N >= {_SMS} x 64, x [M, D] with 1 <= M <= {MAX_ROWS}, "
-            "D % 8 == 0, and part widths multiples of 8 whose inner bounds are multiples of 64"
+            "D % 64 == 0, and part widths multiples of 8, each a multiple of 64 or below 64"
         )
     bs = block_sizes or MgpuGemvBlockSizes()
     widths = _widths(w.shape[0], splits)

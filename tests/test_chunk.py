@@ -8,6 +8,7 @@ compiles the kernels and checks the bf16 path at T=4096, H=32, K=128 against the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -154,8 +155,10 @@ def test_prepare_fused_l2(rng):
     "blk",
     [
         PrepareBlockSizes.default_for(K, K),
-        PrepareBlockSizes(block_k=16, num_stages=1, diag_warps=4, wu_block_k=16),
-        PrepareBlockSizes(block_k=16, wu_block_k=32, wu_stages=2),
+        PrepareBlockSizes(
+            block_k=16, num_stages=1, pairwise_block_k=16, diag_warps=4, wu_block_k=16
+        ),
+        PrepareBlockSizes(block_k=16, pairwise_block_k=32, wu_block_k=32, wu_stages=2),
     ],
     ids=["default", "unpipelined", "wu-pipelined"],
 )
@@ -177,10 +180,31 @@ def test_prepare_column_slices(rng, lower_bound, blk):
         assert_close(getattr(got, name), getattr(want, name), FP32_TOL, name)
 
 
+@pytest.mark.parametrize("pairwise_block_k", [64, 128])
+def test_prepare_wide_pairwise_slices(rng, pairwise_block_k):
+    """The unbounded gate's main kernel at K = V = 128 in slices of 64 (the default: two per
+    row) or 128 (one), the L2 norm fused, chunk 32, NaN pads: equal to the reference."""
+    q, k, v, f, beta, lengths, a_log, dt_bias = _prep_args(_inputs(rng, h=1, kd=128))
+    blk = dataclasses.replace(
+        PrepareBlockSizes.default_for(128, 128), pairwise_block_k=pairwise_block_k
+    )
+    kw = dict(scale=128**-0.5, chunk=32, lower_bound=None, mm_dtype=f32)
+    got = _chunk_prepare(
+        2.0 * q, 0.5 * k, v, f, beta, lengths, a_log, dt_bias, **kw, l2_eps=1e-6, blk=blk
+    )
+    want = ChunkIntermediates(
+        *ref.chunk_prepare_reference(q, k, v, f, beta, lengths, a_log, dt_bias, **kw)
+    )
+    for name in ChunkIntermediates._fields:
+        assert_close(getattr(got, name), getattr(want, name), FP32_TOL, name)
+
+
 def test_prepare_default_block_sizes_fit_head_dim():
     assert PrepareBlockSizes.default_for(128, 128) == PrepareBlockSizes()
     assert PrepareBlockSizes.default_for(32, 64).wu_block_k == 32
-    assert PrepareBlockSizes.default_for(16, 64) == PrepareBlockSizes(block_k=16, wu_block_k=16)
+    assert PrepareBlockSizes.default_for(16, 64) == PrepareBlockSizes(
+        block_k=16, pairwise_block_k=16, wu_block_k=16
+    )
 
 
 def test_scan_default_block_sizes():
@@ -196,7 +220,7 @@ def test_scan_default_block_sizes():
     assert ScanBlockSizes.default_for(4, 32, 128, 64) == ScanBlockSizes(64, 4, 2)
 
 
-@pytest.mark.parametrize("name", ["block_k", "wu_block_k"])
+@pytest.mark.parametrize("name", ["block_k", "pairwise_block_k", "wu_block_k"])
 def test_prepare_rejects_bad_block_k(rng, name):
     args = _prep_args(_inputs(rng))
     with pytest.raises(ValueError, match=f"{name}=24 must be a power of two"):
@@ -207,7 +231,7 @@ def test_prepare_rejects_bad_block_k(rng, name):
             lower_bound=None,
             mm_dtype=f32,
             l2_eps=None,
-            blk=PrepareBlockSizes(**{name: 24}),
+            blk=dataclasses.replace(PrepareBlockSizes.default_for(K, K), **{name: 24}),
         )
 
 

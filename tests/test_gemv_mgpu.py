@@ -22,9 +22,9 @@ from pallas_kernels import reference as ref
 BF16, F32 = jnp.bfloat16, jnp.float32
 
 # w_in [q|k|v, f_a, g_a, b] of Kimi-Linear; on the CPU 133 row tiles of 64 (the last one 40
-# rows) and D = 200 (a full step of 128 columns and a ragged one of 72).
+# rows) and D = 192 (a full step of 128 columns and a ragged one of 64).
 W_IN, W_IN_SPLITS = (12576, 2304), (12288, 128, 128, 32)
-SMALL, SMALL_SPLITS = (8488, 200), (8192, 128, 128, 40)
+SMALL, SMALL_SPLITS = (8488, 192), (8192, 128, 128, 40)
 (N, D), SPLITS = (W_IN, W_IN_SPLITS) if ON_GPU else (SMALL, SMALL_SPLITS)
 
 
@@ -62,27 +62,30 @@ def test_non_finite_rows_stay_in_their_rows(rng):
     kx, kw = jax.random.split(rng)
     x, w = normal(kx, (4, D), BF16), _weight(kw)
     poisoned = x.at[1].set(jnp.nan).at[2, 3].set(jnp.inf)
-    got = MG.gemv_mgpu(poisoned, w)
+    got = jnp.concatenate(MG.gemv_mgpu(poisoned, w, splits=SPLITS), axis=1)
     for i in (0, 3):
-        np.testing.assert_array_equal(_bits(got[i : i + 1]), _bits(MG.gemv_mgpu(x[i : i + 1], w)))
+        one = jnp.concatenate(MG.gemv_mgpu(x[i : i + 1], w, splits=SPLITS), axis=1)
+        np.testing.assert_array_equal(_bits(got[i : i + 1]), _bits(one))
     assert bool(jnp.all(jnp.isnan(got[1]))), "a NaN row must give NaN"
     assert not bool(jnp.any(jnp.isfinite(got[2]))), "an inf input must leave no finite output"
     big = jnp.full((1, D), 3e38, BF16)  # bf16 overflow of the sum: +inf, as the reference's
-    assert bool(jnp.all(jnp.isposinf(MG.gemv_mgpu(big, jnp.abs(w)))))
+    assert all(bool(jnp.all(jnp.isposinf(y))) for y in MG.gemv_mgpu(big, jnp.abs(w), splits=SPLITS))
 
 
 def test_what_it_serves():
-    """bf16 weight and output, 1..16 rows, D % 8, part widths of 8, inner bounds of 64, and at
-    least one 64-row tile per SM; `proj` sends exactly those calls here."""
+    """bf16 weight and output, 1..16 rows, D % 64, part widths of 8 (64s or below 64), inner
+    bounds of 64, and at least one 64-row tile per SM; `proj` sends exactly those calls here."""
     fits = MG.mgpu_fits
     for m in (1, 8, 16):
         assert fits((m, 2304), W_IN, BF16, None, W_IN_SPLITS)
     assert not fits((17, 2304), W_IN, BF16, None, W_IN_SPLITS)
     assert not fits((1, 2304), W_IN, F32, None, W_IN_SPLITS)  # fp32 weight
     assert not fits((1, 2304), W_IN, BF16, F32, W_IN_SPLITS)  # fp32 output
-    assert not fits((1, 2300), (12576, 2300), BF16, None, None)  # D % 8
+    assert not fits((1, 2272), (12576, 2272), BF16, None, W_IN_SPLITS)  # D % 64
     assert not fits((1, 2304), W_IN, BF16, None, (12288, 128, 126, 34))  # width % 8
     assert not fits((1, 2304), W_IN, BF16, None, (12296, 120, 128, 32))  # bound % 64
+    assert not fits((1, 2304), W_IN, BF16, None, None)  # one part of 12576: not 64s, not < 64
+    assert not fits((1, 2304), W_IN, BF16, None, (12288, 128, 160))  # a last part of 160
     assert not fits((1, 4096), (2304, 4096), BF16, None, None)  # o_proj: 36 tiles
     assert not fits((1, 96), (258, 96), BF16, None, (192, 32, 32, 2))  # the tiny w_in
 
@@ -129,6 +132,11 @@ def test_bad_inputs_are_refused():
 
 @pytest.mark.parametrize("m", [1, 8, 16])
 def test_lowers_for_h200(m):
+    """w_in's real shape and parts; the small geometry's too (a last part of 40)."""
+    x = jax.ShapeDtypeStruct((m, SMALL[1]), BF16)
+    w = jax.ShapeDtypeStruct(SMALL, BF16)
+    text = lower_for_h200(lambda x, w: MG.gemv_mgpu(x, w, splits=SMALL_SPLITS), x, w)
+    assert "kda_gemv_mgpu" in text
     x = jax.ShapeDtypeStruct((m, W_IN[1]), BF16)
     w = jax.ShapeDtypeStruct(W_IN, BF16)
     text = lower_for_h200(lambda x, w: MG.gemv_mgpu(x, w, splits=W_IN_SPLITS), x, w)
