@@ -39,7 +39,9 @@ fusion) plus the slices of its output measured slower there (benchmarks/NOTES.md
 8 have their own tiling, so their bits need not match the M <= 8 path's.
 
 `proj` is the stage function the block's forward calls (signature of
-`reference.gemv_reference`), `proj_many` the one for several weights; both dispatch on M. A
+`reference.gemv_reference`), `proj_many` the one for several weights; both dispatch on M. On
+Hopper, `proj` sends the decode step's w_in (1..16 rows, bf16) to the Mosaic GPU kernel in
+`gemv_mgpu.py` instead (`gemv_mgpu.mgpu_fits` says which calls). A
 sweep is laid out once as a `SweepPlan` (`plan`), which its own launch runs and which
 `front.decode_front` runs beside conv_decode's programs.
 """

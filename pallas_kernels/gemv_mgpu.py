@@ -19,6 +19,8 @@ Against the Triton sweep (`gemv`), kernel time by CUPTI on the H200 (session 19,
 benchmarks/results/history/2026-12-02-a61e7d5-mgpu/), w_in less its 32-row b part: M = 1 15.61
 against 16.50 us, M = 8 15.55 against 17.04.
 
+Its reference is `reference.gemv_reference` (the projection stage's, bf16 output).
+
 Bits: each column of B is one row of x and wgmma's output columns are independent, and the
 tiling depends on (N, D) only, so every M in 1..16 runs the same chain of products and fp32
 accumulations per element: a row's bits do not depend on M or on the other rows (what makes
