@@ -51,7 +51,7 @@ from pallas_kernels import common
 __all__ = ["MAX_ROWS", "MgpuGemvBlockSizes", "gemv_mgpu", "mgpu_fits"]
 
 MAX_ROWS = 16  # x's rows: the columns of wgmma's B operand (16: bf16's K for the transpose)
-_SMS = 132  # the H200's SMs: fewer 64-row tiles than this leave SMs without work
+_SMS = common.TARGET_PROGRAMS // 2  # the H200's 132 SMs: fewer 64-row tiles leave SMs idle
 
 
 @dataclasses.dataclass(frozen=True)
