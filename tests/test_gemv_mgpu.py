@@ -8,6 +8,8 @@ at w_in's real shape.
 
 from __future__ import annotations
 
+import types
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 from conftest import ON_GPU, TOL, assert_close, lower_for_h200, normal
 
+from pallas_kernels import common
 from pallas_kernels import gemv as G
 from pallas_kernels import gemv_mgpu as MG
 from pallas_kernels import reference as ref
@@ -141,3 +144,19 @@ def test_lowers_for_h200(m):
     w = jax.ShapeDtypeStruct(W_IN, BF16)
     text = lower_for_h200(lambda x, w: MG.gemv_mgpu(x, w, splits=W_IN_SPLITS), x, w)
     assert "mosaic_gpu" in text and "kda_gemv_mgpu" in text, "no Mosaic GPU kernel lowered"
+
+
+def test_hopper_by_compute_capability(monkeypatch):
+    """On a GPU `proj` picks the Mosaic kernel by compute capability (sm_90 and newer only)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for cc, want in (
+        ("9.0", True),
+        ("10.0", True),
+        ("8.0", False),
+        ("8.9", False),
+        ("gfx90a", False),
+    ):
+        monkeypatch.setattr(
+            jax, "devices", lambda cc=cc: [types.SimpleNamespace(compute_capability=cc)]
+        )
+        assert common.hopper() == want, cc
