@@ -7,7 +7,9 @@
 # experiment: `force_pairwise.patch` sends every gate through the pairwise path. With it,
 # test_chunk.py -k prepare passes on the CPU but for test_prepare_lowers_for_h200[bounded],
 # which asserts that the bounded gate has no diagonal kernel. If it wins, the factorised path
-# could go (one path fewer) after compiled tests.
+# could go (one path fewer) after compiled tests. Rebased in session 19 on b8b3005: the pairwise
+# path now reads `pairwise_block_k` (64 by default), so the forced tree's default runs 64-column
+# slices and `pairwise_block_k=32` is the bounded kernel's old width.
 #   KDA_COMMIT=abc1234 bash benchmarks/wip/job24b.sh          (~200 s of one call)
 set -uo pipefail
 : "${KDA_COMMIT:?pass the commit as a literal}"
@@ -16,6 +18,6 @@ source scripts/gpu_common.sh
 SP="python3 benchmarks/stage_profile.py --skip-core --chunk 32 --scan-configs none --gates bounded"
 dir=$(tree force_pairwise)
 run "$base" b_base 60 $SP --out "$OUT/b_base.json" --configs default
-run "$dir" b_pairwise 90 $SP --out "$OUT/b_pairwise.json" --configs default,block_k=64
+run "$dir" b_pairwise 90 $SP --out "$OUT/b_pairwise.json" --configs default,pairwise_block_k=32
 pack
 grep -hE "^chunk_" "$OUT"/{b_base,b_pairwise}.log | cut -c1-190
