@@ -129,8 +129,9 @@ class PrepareBlockSizes:
         before that change).
       pairwise_block_k: block_k of the same kernel when the diagonal kernel supplies its
         diagonal blocks, G and norms (the unbounded gate; 64: ptxas at sm_90a 136 registers,
-        3 programs/SM, against 120 and 4 at 32. H200, 2026-12-02, B=1, T=8192, C = 32, one
-        job: the stage 667.1 against 699.5 and 690.3 us at 32).
+        3 programs/SM, against 120 and 4 at 32. H200, 2026-12-02, B=1, T=8192, C = 32: the
+        stage 667.1 against 699.5 and 690.3 us at 32 in one job, 714.5 against 730.7 in
+        another).
       diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel (1;
         ptxas at sm_90a: 159 registers at 1 warp (12 programs/SM), 96 at 2, 72 at 4. H200,
         2026-12-02, B=1, T=8192, C = 32, one job: the stage 901.5 us at 1 warp, 959.0 at 2,

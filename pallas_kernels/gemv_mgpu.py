@@ -15,9 +15,11 @@ fp32 (non-finite values cross it as small integer codes, so a NaN or inf stays i
 A TMA store then writes y's first M rows (a part's ragged last tile through a
 shared-memory tile of its own width).
 
-Against the Triton sweep (`gemv`), kernel time by CUPTI on the H200 (session 19, job 2,
-benchmarks/results/history/2026-12-02-a61e7d5-mgpu/), w_in less its 32-row b part: M = 1 15.61
-against 16.50 us, M = 8 15.55 against 17.04.
+Against the Triton sweep (`gemv`), kernel time by CUPTI on the H200 (session 19,
+benchmarks/results/history/2026-12-02-712abbe-mgpu/): inside the B=1 decode step 17.11 against
+17.73 us (job 3, this kernel); alone on w_in less its 32-row b part 15.61 against 16.50 us at
+M = 1 and 15.55 against 17.04 at M = 8 (job 2, the same kernel before the non-finite codes were
+added: one transpose wgmma, not two).
 
 Its reference is `reference.gemv_reference` (the projection stage's, bf16 output).
 

@@ -97,7 +97,6 @@ def test_proj_dispatch(monkeypatch):
     calls = []
     real = MG.gemv_mgpu
     monkeypatch.setattr(MG, "gemv_mgpu", lambda *a, **k: calls.append(1) or real(*a, **k))
-    w = jax.ShapeDtypeStruct((N, D), BF16)
     for m, w_dtype, out, served in [
         (1, BF16, None, True),
         (16, BF16, None, True),
