@@ -54,7 +54,6 @@ __all__ = ["MAX_ROWS", "MgpuGemvBlockSizes", "gemv_mgpu", "mgpu_fits"]
 
 MAX_ROWS = 16  # x's rows: the columns of wgmma's B operand (16: bf16's K for the transpose)
 _SMS = common.TARGET_PROGRAMS // 2  # the H200's 132 SMs: fewer CTAs leave SMs idle
-_WARPGROUP = 128  # threads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,22 +147,25 @@ def _body(x_gmem, w_gmem, *refs, m, bs, ksteps, bounds):
     if split == 1:
         _store(yt, o_gmems, ni=ni, m=m, bn=bn, bounds=bounds)
         return
-    red_smem, red_bar = refs[len(bounds) - 1 :]
+    own, synced = refs[len(bounds) - 1 :]
 
-    # The other CTAs of the cluster store their partial y^T into the first one's shared memory
-    # (st.async, counted on its barrier); it adds them to its own in split order, a fixed order,
-    # so the sum does not depend on which CTA finishes first.
-    @pl.when(si > 0)
-    def _():
-        plgpu.async_store_smem(yt, red_smem.at[si - 1], red_bar, cluster_idx=0, cluster_dim="s")
+    # Each CTA leaves its partial y^T in its own shared memory; after a cluster barrier the
+    # first CTA reads the others' through their cluster addresses and adds them to its own in
+    # split order, a fixed order, so the sum does not depend on which CTA finishes first; a
+    # second barrier keeps every CTA's shared memory alive until then.
+    own[...] = yt
+    plgpu.barrier_arrive(synced.at[0])
+    plgpu.barrier_wait(synced.at[0])
 
     @pl.when(si == 0)
     def _():
-        plgpu.barrier_wait(red_bar)
         total = yt
-        for j in range(split - 1):
-            total = total + red_smem[j]
+        for j in range(1, split):
+            total = total + plgpu.cluster_ref(own, {"s": j})[...]
         _store(total, o_gmems, ni=ni, m=m, bn=bn, bounds=bounds)
+
+    plgpu.barrier_arrive(synced.at[1])
+    plgpu.barrier_wait(synced.at[1])
 
 
 def _store(yt, o_gmems, *, ni, m, bn, bounds):
@@ -275,9 +277,8 @@ def gemv_mgpu(
             cluster=(bs.split_k,),
             cluster_names=("s",),
             scratch_types=(
-                plgpu.SMEM((bs.split_k - 1, bs.block_n, MAX_ROWS), jnp.float32),
-                # st.async arrives once per thread of the storing warpgroup
-                plgpu.Barrier(num_arrivals=_WARPGROUP * (bs.split_k - 1)),
+                plgpu.SMEM((bs.block_n, MAX_ROWS), jnp.float32),
+                plgpu.ClusterBarrier(collective_axes=("s",), num_barriers=2),
             ),
         )
 
