@@ -9,7 +9,6 @@ its timeout only):
     python benchmarks/wip/split_modes.py --all OUT.json
 """
 
-import functools
 import json
 import os
 import subprocess
