@@ -34,7 +34,10 @@ GPU's lowering refuses a swizzled TMA copy of 64-column tiles into an array whos
 neither, e.g. w_in as one [M, 12576] array), every part but the last starting at a multiple of
 block_n, and at least one 64-row tile per SM (a weight with fewer, such as o_proj, needs its D
 split, which the Triton sweep does). `gemv.proj` sends such calls here on Hopper and the rest to
-the Triton sweep.
+the Triton sweep. o_proj with its D split across a cluster of 4 CTAs, the partial sums added
+by the first through its peers' shared memory, was right and deterministic but no faster: 8.8 us
+against the Triton sweep's 7.0 + 1.5 for its add (session 21,
+benchmarks/results/history/2026-12-03-ea2a3d5-split/).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from pallas_kernels import common
 __all__ = ["MAX_ROWS", "MgpuGemvBlockSizes", "gemv_mgpu", "mgpu_fits"]
 
 MAX_ROWS = 16  # x's rows: the columns of wgmma's B operand (16: bf16's K for the transpose)
-_SMS = common.TARGET_PROGRAMS // 2  # the H200's 132 SMs: fewer CTAs leave SMs idle
+_SMS = common.TARGET_PROGRAMS // 2  # the H200's 132 SMs: fewer 64-row tiles leave SMs idle
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,14 +67,11 @@ class MgpuGemvBlockSizes:
       block_n: weight rows per CTA (wgmma's A operand: a multiple of 64).
       block_k: D columns per pipeline step (a multiple of 64: the 128-byte swizzle of bf16).
       steps: tiles in flight (the pipeline's depth).
-      split_k: CTAs per row tile, each over its 1/split_k of D's steps: a cluster of that many
-        CTAs whose partial sums the first one adds (module docstring). 1: no cluster.
     """
 
     block_n: int = 64
     block_k: int = 128
     steps: int = 4
-    split_k: int = 1
 
     def __post_init__(self):
         if self.block_n % 64 or not 64 <= self.block_n <= 256:
@@ -80,20 +80,6 @@ class MgpuGemvBlockSizes:
             raise ValueError(f"block_k={self.block_k}: expected a multiple of 64")
         if self.steps < 1:
             raise ValueError(f"steps={self.steps}: expected >= 1")
-        if self.split_k not in (1, 2, 4, 8):
-            raise ValueError(f"split_k={self.split_k}: expected 1, 2, 4 or 8 (a cluster's CTAs)")
-
-    @staticmethod
-    def default_for(n: int, d: int) -> MgpuGemvBlockSizes:
-        """The default tiling with D split in two until there are as many CTAs as SMs (at most
-        8 per cluster, each split an equal number of D steps): w_in (197 row tiles) keeps one
-        CTA per tile, o_proj (36 row tiles of its 2304 rows, D = 4096) gets 4."""
-        bs = MgpuGemvBlockSizes()
-        tiles, ksteps = common.cdiv(n, bs.block_n), common.cdiv(d, bs.block_k)
-        split = 1
-        while tiles * split < _SMS and split < 8 and ksteps % (2 * split) == 0:
-            split *= 2
-        return dataclasses.replace(bs, split_k=split)
 
 
 def _widths(n: int, splits) -> tuple[int, ...]:
@@ -107,8 +93,7 @@ def mgpu_fits(x_shape, w_shape, w_dtype, out_dtype, splits) -> bool:
     bf16 = jnp.dtype(jnp.bfloat16)
     widths = _widths(n, splits)
     bounds = common.bounds(widths)
-    bs = MgpuGemvBlockSizes.default_for(n, d)
-    bn = bs.block_n
+    bn = MgpuGemvBlockSizes().block_n
     return (
         jnp.dtype(w_dtype) == bf16
         and jnp.dtype(out_dtype or w_dtype) == bf16
@@ -117,59 +102,28 @@ def mgpu_fits(x_shape, w_shape, w_dtype, out_dtype, splits) -> bool:
         and sum(widths) == n
         and all(w > 0 and w % 8 == 0 and (w % bn == 0 or w < bn) for w in widths)
         and all(b % bn == 0 for b in bounds[1:-1])
-        and common.cdiv(n, bn) * bs.split_k >= _SMS
-        and (bs.split_k == 1 or not common.interpret())
+        and common.cdiv(n, bn) >= _SMS
     )
 
 
-def _body(x_gmem, w_gmem, *refs, m, bs, ksteps, bounds):
-    """One CTA: weight rows ni * block_n .. + block_n, D's steps of split s (all of D without a
-    split). refs: the parts' outputs, then with a split the partial sums' buffer and barrier."""
+def _body(x_gmem, w_gmem, *o_gmems, m, bs, ksteps, bounds):
+    """One CTA: weight rows ni * block_n .. + block_n, all of D."""
     ni = lax.axis_index("n")
-    bn, bk, split = bs.block_n, bs.block_k, bs.split_k
-    per = ksteps // split
-    si = lax.axis_index("s") if split > 1 else 0
-    o_gmems = refs[: len(bounds) - 1]
+    bn, bk = bs.block_n, bs.block_k
 
     def acc_scope(acc_ref):
         plgpu.emit_pipeline(
             lambda _, w_smem, x_smem: plgpu.wgmma(acc_ref, w_smem, x_smem.T),
-            grid=(per,),
+            grid=(ksteps,),
             in_specs=[
-                plgpu.BlockSpec((bn, bk), lambda k: (ni, si * per + k)),
-                plgpu.BlockSpec((MAX_ROWS, bk), lambda k: (0, si * per + k)),
+                plgpu.BlockSpec((bn, bk), lambda k: (ni, k)),
+                plgpu.BlockSpec((MAX_ROWS, bk), lambda k: (0, k)),
             ],
             max_concurrent_steps=bs.steps,
         )(w_gmem, x_gmem)
         return acc_ref[...]
 
-    yt = pl.run_scoped(acc_scope, plgpu.ACC((bn, MAX_ROWS)))  # y^T, fp32 (this split's part)
-    if split == 1:
-        _store(yt, o_gmems, ni=ni, m=m, bn=bn, bounds=bounds)
-        return
-    own, synced = refs[len(bounds) - 1 :]
-
-    # Each CTA leaves its partial y^T in its own shared memory; after a cluster barrier the
-    # first CTA reads the others' through their cluster addresses and adds them to its own in
-    # split order, a fixed order, so the sum does not depend on which CTA finishes first; a
-    # second barrier keeps every CTA's shared memory alive until then.
-    own[...] = yt
-    plgpu.barrier_arrive(synced.at[0])
-    plgpu.barrier_wait(synced.at[0])
-
-    @pl.when(si == 0)
-    def _():
-        total = yt
-        for j in range(1, split):
-            total = total + plgpu.cluster_ref(own, {"s": j})[...]
-        _store(total, o_gmems, ni=ni, m=m, bn=bn, bounds=bounds)
-
-    plgpu.barrier_arrive(synced.at[1])
-    plgpu.barrier_wait(synced.at[1])
-
-
-def _store(yt, o_gmems, *, ni, m, bn, bounds):
-    """y^T [block_n, 16] fp32 -> bf16 y's first m rows, in the parts (module docstring)."""
+    yt = pl.run_scoped(acc_scope, plgpu.ACC((bn, MAX_ROWS)))  # y^T, fp32
     widths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
     tails = sorted({w % bn for w in widths} - {0})
     bf16 = jnp.bfloat16
@@ -240,8 +194,7 @@ def gemv_mgpu(
       w: [N, D] bf16 weight.
       splits: widths summing to N: y comes back as that many arrays (columns of y in order),
         each stored by the kernel.
-      block_sizes: tiling (default `MgpuGemvBlockSizes.default_for(N, D)`, the same for every
-        M).
+      block_sizes: tiling (default `MgpuGemvBlockSizes()`, the same for every M).
     Returns:
       [M, N] bf16, or a tuple of [M, n_s] when `splits` is given.
     """
@@ -253,34 +206,16 @@ def gemv_mgpu(
     ):
         raise ValueError(
             f"gemv_mgpu: x {tuple(x.shape)}, w {tuple(w.shape)} {w.dtype}, splits {splits}: "
-            f"expected bf16 w [N, D] with at least {_SMS} CTAs (64-row tiles times D's split, "
-            f"`MgpuGemvBlockSizes.default_for`), x [M, D] with 1 <= M <= {MAX_ROWS}, "
-            "D % 64 == 0, part widths multiples of 8, each a multiple of 64 or below 64, and a "
-            "compiled launch where D is split (Mosaic GPU's interpreter has no cluster stores)"
+            f"expected bf16 w [N, D] with N >= {_SMS} x 64, x [M, D] with 1 <= M <= {MAX_ROWS}, "
+            "D % 64 == 0, and part widths multiples of 8, each a multiple of 64 or below 64"
         )
-    m, d = x.shape
-    bs = block_sizes or MgpuGemvBlockSizes.default_for(w.shape[0], d)
+    bs = block_sizes or MgpuGemvBlockSizes()
     widths = _widths(w.shape[0], splits)
     bounds = common.bounds(widths)
     if any(b % bs.block_n for b in bounds[1:-1]):
         raise ValueError(f"block_n={bs.block_n} must divide every split bound {bounds[1:-1]}")
-    ksteps = common.cdiv(d, bs.block_k)
-    if ksteps % bs.split_k or (bs.split_k > 1 and common.interpret()):
-        raise ValueError(
-            f"split_k={bs.split_k}: expected a divisor of D's {ksteps} steps of {bs.block_k}, "
-            "and above 1 a compiled launch (Mosaic GPU's interpreter has no cluster stores)"
-        )
-    kw = dict(m=m, bs=bs, ksteps=ksteps, bounds=bounds)
-    cluster = {}
-    if bs.split_k > 1:
-        cluster = dict(
-            cluster=(bs.split_k,),
-            cluster_names=("s",),
-            scratch_types=(
-                plgpu.SMEM((bs.block_n, MAX_ROWS), jnp.float32),
-                plgpu.ClusterBarrier(collective_axes=("s",), num_barriers=2),
-            ),
-        )
+    m, d = x.shape
+    kw = dict(m=m, bs=bs, ksteps=common.cdiv(d, bs.block_k), bounds=bounds)
 
     def kda_gemv_mgpu(*refs):  # the kernel's name in profiles
         _body(*refs, **kw)
@@ -290,7 +225,6 @@ def gemv_mgpu(
         out_type=tuple(jax.ShapeDtypeStruct((m, wd), jnp.bfloat16) for wd in widths),
         grid=(common.cdiv(w.shape[0], bs.block_n),),
         grid_names=("n",),
-        **cluster,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if common.interpret() else None,
     )(x.astype(jnp.bfloat16), w)

@@ -3,9 +3,7 @@
 On a CPU the kernel runs in Mosaic GPU's interpret mode at a small geometry that keeps what the
 real one has (at least 132 row tiles, a ragged last tile, a ragged last D step, four parts) and
 is cross-lowered for an H200 at w_in's real shape; on a GPU (ON_GPU) the same tests run compiled
-at w_in's real shape. The split-D form (o_proj: a cluster per row tile, partial sums added in
-the first CTA's shared memory) needs a compiled launch: the interpreter has no cluster stores,
-so a CPU cross-lowers it and the GPU runs it (`test_split_d_*`).
+at w_in's real shape.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 W_IN, W_IN_SPLITS = (12576, 2304), (12288, 128, 128, 32)
 SMALL, SMALL_SPLITS = (8488, 192), (8192, 128, 128, 40)
 (N, D), SPLITS = (W_IN, W_IN_SPLITS) if ON_GPU else (SMALL, SMALL_SPLITS)
-O_PROJ = (2304, 4096)
 
 
 def _bits(a) -> np.ndarray:
@@ -92,9 +89,7 @@ def test_what_it_serves():
     assert not fits((1, 2304), W_IN, BF16, None, (12296, 120, 128, 32))  # bound % 64
     assert not fits((1, 2304), W_IN, BF16, None, None)  # one part of 12576: not 64s, not < 64
     assert not fits((1, 2304), W_IN, BF16, None, (12288, 128, 160))  # a last part of 160
-    # o_proj: 36 row tiles, D split in 4 by a cluster, which only a compiled launch has
-    assert fits((1, 4096), O_PROJ, BF16, None, None) == (not common.interpret())
-    assert not fits((1, 4160), (2304, 4160), BF16, None, None)  # 65 D steps: no even split
+    assert not fits((1, 4096), (2304, 4096), BF16, None, None)  # o_proj: 36 tiles
     assert not fits((1, 96), (258, 96), BF16, None, (192, 32, 32, 2))  # the tiny w_in
 
 
@@ -164,75 +159,3 @@ def test_hopper_by_compute_capability(monkeypatch):
             jax, "devices", lambda cc=cc: [types.SimpleNamespace(compute_capability=cc)]
         )
         assert common.hopper() == want, cc
-
-
-def test_split_d_tiling():
-    """D split in two until the CTAs cover the SMs, w_in unsplit (its bits as before)."""
-    assert MG.MgpuGemvBlockSizes.default_for(*O_PROJ).split_k == 4
-    assert MG.MgpuGemvBlockSizes.default_for(*W_IN).split_k == 1
-    assert MG.MgpuGemvBlockSizes.default_for(2304, 320).split_k == 1  # 3 D steps: no split
-    with pytest.raises(ValueError, match="split_k=3"):
-        MG.MgpuGemvBlockSizes(split_k=3)
-
-
-@pytest.mark.skipif(ON_GPU, reason="the interpreter's refusal; the GPU runs the split")
-def test_split_d_refused_in_interpret_mode():
-    x, w = jnp.zeros((1, O_PROJ[1]), BF16), jnp.zeros(O_PROJ, BF16)
-    with pytest.raises(ValueError, match="compiled launch"):
-        MG.gemv_mgpu(x, w)
-    with pytest.raises(ValueError, match="split_k=2"):
-        MG.gemv_mgpu(
-            jnp.zeros((1, D), BF16),
-            jnp.zeros((N, D), BF16),
-            splits=SPLITS,
-            block_sizes=MG.MgpuGemvBlockSizes(split_k=2),
-        )
-
-
-@pytest.mark.parametrize("split", [2, 4, 8])
-@pytest.mark.parametrize("m", [1, 16])
-def test_split_d_lowers_for_h200(m, split):
-    x = jax.ShapeDtypeStruct((m, O_PROJ[1]), BF16)
-    w = jax.ShapeDtypeStruct(O_PROJ, BF16)
-    bs = MG.MgpuGemvBlockSizes(split_k=split)
-    text = lower_for_h200(lambda x, w: MG.gemv_mgpu(x, w, block_sizes=bs), x, w)
-    assert "kda_gemv_mgpu" in text, "no Mosaic GPU kernel lowered"
-    # what `proj` sends there on an H200: the o_proj of a decode step
-    text = lower_for_h200(lambda x, w: G.proj(x, w), x, w)
-    assert "kda_gemv_mgpu" in text, "proj did not pick the split Mosaic kernel for o_proj"
-
-
-@pytest.mark.skipif(not ON_GPU, reason="needs a compiled launch (cluster stores); CPU lowers it")
-@pytest.mark.parametrize("split", [None, 2, 8])
-@pytest.mark.parametrize("m", [1, 5, 16])
-def test_split_d_matches_reference_and_keeps_row_bits(rng, m, split):
-    kx, kw = jax.random.split(rng)
-    x = normal(kx, (m, O_PROJ[1]), F32)
-    w = normal(kw, O_PROJ, BF16, scale=O_PROJ[1] ** -0.5)
-    bs = None if split is None else MG.MgpuGemvBlockSizes(split_k=split)
-    run = jax.jit(lambda x, w: MG.gemv_mgpu(x, w, block_sizes=bs))
-    got = run(x, w)
-    chex.assert_shape(got, (m, O_PROJ[0]))
-    chex.assert_type(got, BF16)
-    assert_close(got, ref.gemv_reference(x, w, out_dtype=F32), TOL["bf16_stage"], f"M={m}")
-    assert_close(got, ref.gemv_reference(x, w), TOL["bf16_stage"], f"M={m} against bf16")
-    # the partial sums meet in a fixed order: the same bits on every run
-    np.testing.assert_array_equal(_bits(run(x, w)), _bits(got), "run to run")
-    for i in {0, m - 1}:
-        one = run(x[i : i + 1], w)
-        np.testing.assert_array_equal(_bits(got[i : i + 1]), _bits(one), f"row {i} of M={m}")
-
-
-@pytest.mark.skipif(not ON_GPU, reason="needs a compiled launch (cluster stores); CPU lowers it")
-@pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
-def test_split_d_non_finite_rows_stay_in_their_rows(rng):
-    kx, kw = jax.random.split(rng)
-    x = normal(kx, (4, O_PROJ[1]), BF16)
-    w = normal(kw, O_PROJ, BF16, scale=O_PROJ[1] ** -0.5)
-    # a NaN in one D split, an inf in another: both reach their own rows only
-    poisoned = x.at[1, 5].set(jnp.nan).at[2, 3000].set(jnp.inf)
-    got = MG.gemv_mgpu(poisoned, w)
-    for i in (0, 3):
-        np.testing.assert_array_equal(_bits(got[i : i + 1]), _bits(MG.gemv_mgpu(x[i : i + 1], w)))
-    assert bool(jnp.all(jnp.isnan(got[1]))), "a NaN row must give NaN"
-    assert not bool(jnp.any(jnp.isfinite(got[2]))), "an inf input must leave no finite output"
