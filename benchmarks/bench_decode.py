@@ -14,10 +14,12 @@ Cases:
   written k times (the snapshots). Baseline: one pallas `decode` step (the issue's ratio).
 - `conv_decode`: the conv + SiLU + L2 stage alone at B = 1, 64 (pallas and xla), so the whole
   step can be split into its stages (the projections: bench_gemv.py; the core: below).
-- `decode_core`: L2 of raw q, k + gate + beta + recurrence + read-out (+ our gated RMSNorm,
-  which FLA does not do) on bf16 inputs at B = 1, 8, 64, H = 32, K = V = 128, for several V tiles
-  of the recurrent kernel (the first pallas record is the default tiling; block_v = V fuses the
-  RMSNorm, smaller tiles add an o_norm launch) and for the xla reference. Baseline: FLA 0.6.0
+- `decode_core`: L2 of raw q, k + gate + beta + recurrence + read-out, FLA's work (no RMSNorm:
+  `_decode_core(norm=False)`; the loop carries the state and the read-out o, so neither can be
+  dropped as unused), on bf16 inputs at B = 1, 8, 64, H = 32, K = V = 128, for several V tiles
+  of the recurrent kernel (the first pallas record is the default tiling), and for the xla
+  reference. Floor: the state read and written, q, k, v, f, beta read and o written in bf16
+  (FLA's traffic; ours writes o in fp32). Baseline: FLA 0.6.0
   `fused_recurrent_kda` called as in SPEC §9 (CUDA-graph replay of 20 calls, median), in this
   process; null with a printed reason when fla cannot import. (fla 0.6.0's public wrapper
   swallows `inplace_final_state=True` in **kwargs and allocates the final state, as when the
@@ -134,7 +136,9 @@ def bench_block(cfg, params, batches, n, reps, records, meta):
 
 
 def _core_inputs(b, h, kd, key):
-    """bf16 raw q, k, v, f, z [B, 1, ...], beta logits, fp32 params (FLA's input set + z, w)."""
+    """bf16 raw q, k, v, f, z [B, 1, ...], beta logits, fp32 params (FLA's input set + z, w:
+    the block's decode_core takes them; the benchmark's core, without the RMSNorm, reads
+    neither)."""
     ks = jax.random.split(key, 9)
     bf = jnp.bfloat16
     rows = lambda i, *s: jax.random.normal(ks[i], (b, 1, *s), jnp.float32).astype(bf)  # noqa
@@ -148,10 +152,16 @@ def _core_inputs(b, h, kd, key):
 
 
 def core_floor_us(acts, state) -> float:
-    """The decode core's traffic at full bandwidth: the fp32 state read and written, the
-    activations of `_core_inputs` read and y (the size of z, bf16) written."""
-    io_bytes = sum(a.size * a.dtype.itemsize for a in acts) + acts[-1].size * 2
+    """The decode core's traffic at full bandwidth, as FLA's kernel moves it: the fp32 state
+    read and written, q, k, v, f, beta read and o (the size of v) written in bf16."""
+    q, k, v, f, beta, _ = acts
+    io_bytes = sum(a.size * a.dtype.itemsize for a in (q, k, v, f, beta)) + v.size * 2
     return (2 * state.size * 4 + io_bytes) / BANDWIDTH * 1e6
+
+
+def core_carry(acts, state):
+    """The core loop's carry: the state and the read-out o [B, 1, P] fp32 (zeros to start)."""
+    return state + 0.0, jnp.zeros(acts[-1].shape, jnp.float32)
 
 
 def fla_core_us(b, h, kd, reps):
@@ -229,12 +239,14 @@ def bench_core(cfg, batches, n, reps, records, meta, tiles=None):
         ]
         for name, block in variants:
             step = functools.partial(_pallas_core_step, acts, params, kw, cfg.l2_eps, block)
-            run = functools.partial(common.time_loop, step, state + 0.0, n, reps, differential=True)
+            carry = core_carry(acts, state)
+            run = functools.partial(common.time_loop, step, carry, n, reps, differential=True)
             common.run_case(
                 records, meta, "decode_core", shape, name, run, floor, fla, FLA_NAME, note=CORE_NOTE
             )
-        step = functools.partial(_xla_core_step, acts, params, kw, cfg.l2_eps)
-        run = functools.partial(common.time_loop, step, state + 0.0, n, reps, differential=True)
+        step = functools.partial(_xla_core_step, acts, params, cfg.scale, cfg.l2_eps, kw)
+        carry = core_carry(acts, state)
+        run = functools.partial(common.time_loop, step, carry, n, reps, differential=True)
         common.run_case(
             records, meta, "decode_core", shape, "xla", run, floor, fla, FLA_NAME, note=CORE_NOTE
         )
@@ -248,19 +260,30 @@ CORE_NOTE = (
 )
 
 
-def _pallas_core_step(acts, params, kw, l2_eps, block, state):
-    """Raw q, k L2-normalised in the recurrent kernel, gate/beta/RMSNorm fused: one launch."""
+def _pallas_core_step(acts, params, kw, l2_eps, block, carry):
+    """Raw q, k L2-normalised in the recurrent kernel, gate and beta fused, no RMSNorm: one
+    launch. carry: (state, o) -> (new state, read-out o [B, 1, P] fp32)."""
     q, k, v, f, beta, z = acts
-    return _decode_core(q, k, v, f, beta, z, state, *params, **kw, l2_eps=l2_eps, block=block)[1]
+    o, new_state, _ = _decode_core(
+        q, k, v, f, beta, z, carry[0], *params, **kw, l2_eps=l2_eps, block=block, norm=False
+    )
+    return new_state, o
 
 
-def _xla_core_step(acts, params, kw, l2_eps, state):
+def _xla_core_step(acts, params, scale, l2_eps, kw, carry):
+    """The same work from the references: L2, gate + beta, recurrence and read-out."""
+
     def l2(x):
         x = x.astype(jnp.float32)
         return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + l2_eps)
 
-    q, k, v, f, beta, z = acts
-    return ref.decode_core_reference(l2(q), l2(k), v, f, beta, z, state, *params, **kw)[1]
+    q, k, v, f, beta, _ = acts
+    a_log, dt_bias, _ = params
+    g, b = ref.gate_reference(
+        f, beta, a_log, dt_bias, head_dim=q.shape[-1], lower_bound=kw["lower_bound"]
+    )
+    o, new_state, _ = ref.recurrent_reference(l2(q), l2(k), v, g, b, carry[0], scale=scale)
+    return new_state, o.reshape(carry[1].shape)
 
 
 def bench_conv(cfg, params, batches, n, reps, records, meta):

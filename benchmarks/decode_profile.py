@@ -50,6 +50,7 @@ from bench_decode import (  # noqa: E402
     _decode_k_step,
     _decode_step,
     _pallas_core_step,
+    core_carry,
     core_floor_us,
     core_kwargs,
     fla_core_call,
@@ -174,7 +175,8 @@ def main():
             step = functools.partial(
                 _pallas_core_step, acts, core_params, core_kwargs(cfg), cfg.l2_eps, block
             )
-            carry, shape = state, f"B={num},block_v={block.block_v},warps={block.num_warps}"
+            carry = core_carry(acts, state)
+            shape = f"B={num},block_v={block.block_v},warps={block.num_warps}"
             try:
                 fla = common.torch_kernels(fla_core_call(num, cfg.heads, cfg.head_dim), 20)
                 extra = dict(fla_busy_us=round(sum(r[1] for r in fla), 2), fla_kernels=fla)

@@ -281,9 +281,12 @@ def _decode_core(
     out_dtype,
     l2_eps=None,
     block=None,
+    norm=True,
 ):
-    """decode_core with two knobs the public wrapper fixes: `l2_eps` (q, k arrive raw and are
-    L2-normalised in the kernel, for comparisons with kernels that fuse it) and `block`."""
+    """decode_core with three knobs the public wrapper fixes, for comparisons with kernels that
+    do less or more: `l2_eps` (q, k arrive raw and are L2-normalised in the kernel), `block`,
+    and `norm` (False: no RMSNorm, fused or launched; y is the read-out o [B, R, P] in fp32,
+    as `recurrent` returns it, and z, o_norm_w, eps and out_dtype are unused)."""
     _check_rows(q, k, v, state, "decode_core")
     bsz, r, h, kd = q.shape
     vd = v.shape[-1]
@@ -299,7 +302,7 @@ def _decode_core(
             f"{o_norm_w.shape}: expected ({h},), ({p},), ({vd},)"
         )
     block = block or RecurrentBlockSizes.default_for(bsz, h, kd, vd)
-    fused_norm = block.block_v == vd
+    fused_norm = norm and block.block_v == vd
     fu = _Fusions(
         gate=True,
         lower_bound=lower_bound,
@@ -321,7 +324,7 @@ def _decode_core(
         out_dtype=out_dtype if fused_norm else f32,
         block=block,
     )
-    if fused_norm:
+    if fused_norm or not norm:
         y = out.reshape(bsz, r, h * vd)
     else:
         y = o_norm(out, z, o_norm_w, eps=eps, out_dtype=out_dtype)

@@ -14,7 +14,7 @@ from pallas_kernels.recurrent import (
     decode_core,
     recurrent,
 )
-from pallas_kernels.reference import decode_core_reference, recurrent_reference
+from pallas_kernels.reference import decode_core_reference, gate_reference, recurrent_reference
 
 B, H, K = (4, 32, 128) if ON_GPU else (2, 3, 32)
 SCALE = K**-0.5
@@ -109,6 +109,22 @@ def test_decode_core_in_kernel_l2(rng):
     )
     assert_close(y, y_ref, FP32_TOL, "y")
     assert_close(state, state_ref, FP32_TOL, "state")
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=["whole_v", "split_v"])
+@pytest.mark.parametrize("lower_bound", GATES, ids=["unbounded", "bounded"])
+def test_decode_core_without_norm(rng, block, lower_bound):
+    """The bench-only knob norm=False (FLA's work): y is the fp32 read-out before the RMSNorm,
+    on either V tile (a whole-head tile must not fuse the norm then)."""
+    args = _core_inputs(rng, 3, jnp.bfloat16)
+    q, k, v, f, b, z, state, a_log, dt_bias, w = args
+    kw = dict(scale=SCALE, lower_bound=lower_bound, eps=EPS, snapshots=False)
+    o, new_state, _ = _decode_core(*args, **kw, out_dtype=jnp.bfloat16, block=block, norm=False)
+    g, beta = gate_reference(f, b, a_log, dt_bias, head_dim=K, lower_bound=lower_bound)
+    o_ref, state_ref, _ = recurrent_reference(q, k, v, g, beta, state, scale=SCALE)
+    assert o.shape == (B, 3, H * K) and o.dtype == jnp.float32
+    assert_close(o, o_ref.reshape(o.shape), FP32_TOL, "o")
+    assert_close(new_state, state_ref, FP32_TOL, "state")
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=["fused_norm", "split_v"])
