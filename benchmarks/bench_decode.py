@@ -244,7 +244,7 @@ def bench_core(cfg, batches, n, reps, records, meta, tiles=None):
             common.run_case(
                 records, meta, "decode_core", shape, name, run, floor, fla, FLA_NAME, note=CORE_NOTE
             )
-        step = functools.partial(_xla_core_step, acts, params, cfg.scale, cfg.l2_eps, kw)
+        step = functools.partial(_xla_core_step, acts, params, kw, cfg.l2_eps)
         carry = core_carry(acts, state)
         run = functools.partial(common.time_loop, step, carry, n, reps, differential=True)
         common.run_case(
@@ -270,7 +270,7 @@ def _pallas_core_step(acts, params, kw, l2_eps, block, carry):
     return new_state, o
 
 
-def _xla_core_step(acts, params, scale, l2_eps, kw, carry):
+def _xla_core_step(acts, params, kw, l2_eps, carry):
     """The same work from the references: L2, gate + beta, recurrence and read-out."""
 
     def l2(x):
@@ -282,7 +282,7 @@ def _xla_core_step(acts, params, scale, l2_eps, kw, carry):
     g, b = ref.gate_reference(
         f, beta, a_log, dt_bias, head_dim=q.shape[-1], lower_bound=kw["lower_bound"]
     )
-    o, new_state, _ = ref.recurrent_reference(l2(q), l2(k), v, g, b, carry[0], scale=scale)
+    o, new_state, _ = ref.recurrent_reference(l2(q), l2(k), v, g, b, carry[0], scale=kw["scale"])
     return new_state, o.reshape(carry[1].shape)
 
 
