@@ -324,10 +324,10 @@ def _decode_core(
         out_dtype=out_dtype if fused_norm else f32,
         block=block,
     )
-    if fused_norm or not norm:
-        y = out.reshape(bsz, r, h * vd)
-    else:
+    if norm and not fused_norm:
         y = o_norm(out, z, o_norm_w, eps=eps, out_dtype=out_dtype)
+    else:  # normed in the kernel, or not at all
+        y = out.reshape(bsz, r, h * vd)
     return y, new_state, snaps
 
 
