@@ -59,6 +59,7 @@ def main():
     layers = [int(v) for v in args.layers.split(",")]
     all_params = [init_params(cfg, jax.random.key(i), jnp.bfloat16) for i in range(max(layers))]
     meta = common.meta()
+    meta["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     records = common.Records(args.out)
     for b in (int(v) for v in args.batches.split(",")):
         floor = (cfg.weight_bytes() + 2 * b * cfg.state_bytes()) / BANDWIDTH * 1e6
