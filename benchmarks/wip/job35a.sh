@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Session 24, call 1: force_pairwise's compiled chunk tests and the bounded prefill core against
-# FLA on both trees (B=1 T=8192), then decode per block in a stack of 4 blocks against the
-# one-block loop (wip/stack_decode.py) on main.
-#   KDA_COMMIT=abc1234 bash benchmarks/wip/job35a.sh          (~450 s of one call)
+# FLA on both trees (B=1 T=8192). (The stack of 4 blocks ran in job36a.)
+#   KDA_COMMIT=abc1234 bash benchmarks/wip/job35a.sh          (~350 s of one call)
 set -uo pipefail
 : "${KDA_COMMIT:?pass the commit as a literal}"
 export KDA_COMMIT
@@ -14,8 +13,5 @@ PF="python3 benchmarks/bench_prefill.py --quick --core-only --chunks 32 --shapes
 run "$base" pf_base 80 $PF --out "$OUT/pf_base.json"
 run "$dir" pf_pairwise 80 $PF --out "$OUT/pf_pairwise.json"
 pack
-run "$base" stack 130 python3 benchmarks/wip/stack_decode.py --out "$OUT/stack.json"
-pack
 tail -n 3 "$OUT/t_chunk.log"
 grep -hE "^prefill_core" "$OUT"/pf_*.log | cut -c1-170
-grep -E "per block" "$OUT/stack.log"
