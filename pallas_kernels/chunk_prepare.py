@@ -13,36 +13,32 @@ products per chunk and nothing else:
     qg      = s q exp(G),  kg = k exp(G_last - G),  gl = exp(G_last)
 
 Structure (registers decide the speed here: the first version held the [C, K] chunk and whole
-[sub, sub] tile sets in registers, spilled, and ran 2-3x slower):
-  0. Unbounded gate only, in a kernel of its own (`kda_chunk_diag`, 16-row programs of one
-     warp walking the block's rows): the diagonal [sub, sub] blocks of A pairwise (see Decay
-     safety) and of T by forward substitution along the walk, the block-local cumulative
-     gate gb (a [K] add per row of the walk) and the rows' 1/||q||, 1/||k|| (formed for the
-     walk anyway; the main kernel then walks K for no norms: the stage 770.9 against 775.9
-     us in one job, H200, B=1, T=8192); in the main
-     kernel a pairwise loop cost 1.85 of 3.25 ms (H200, B=1, T=8192), in this kernel 228 us
-     (278 at 2 warps, 388 for the previous form, an exp2 per pair; benchmarks/NOTES.md,
-     sessions 15-16), 240.5 with the stores of gb and the norms.
-  1. G = chunk cumsum of the gate, per column slice of `block_k`, with qg, kg and exp(G_last)
-     written on the way. Bounded gate: into a fp32 scratch output (private to the program
-     until the w/u kernel reads it), from G read back (fenced): used from registers, Triton
-     computed the gate and its cumsum twice, in the fp32 store's layout and in the bf16 loads'
-     (static SASS for sm_90a: the slice loop 1053 -> 632 instructions; H200, B=1, T=8192, one
-     job: the stage 702.0 against 722.2 us; 688.8 at num_stages 1, the default since).
-     Unbounded gate: G = gb + the earlier blocks' last rows of gb wherever a phase reads it
-     (here, in phase 2 and in the w/u kernel), so no gate is formed and no G scratch written
-     (the slice loop 815 -> 312 instructions; H200, 2026-12-02, B=1, T=8192, C = 32, one job:
-     the stage 807.9 against 868.2 us, the prepare kernel 323.3 against 407.8 in the job
-     before; a variant that kept the G scratch took 980.8).
+[sub, sub] tile sets in registers, spilled, and ran 2-3x slower). Both gates take the same
+path (until session 24 a bounded gate far from overflow had the diagonal blocks, G and the
+diagonal T blocks formed inside the main kernel, "factorised"; through this path its stage took
+655.0 against 710.5 us, H200, B=1, T=8192, C = 32, one job, benchmarks/NOTES.md):
+  0. In a kernel of its own (`kda_chunk_diag`, 16-row programs of one warp walking the
+     block's rows): the diagonal [sub, sub] blocks of A pairwise (see Decay safety) and of T
+     by forward substitution along the walk, the block-local cumulative gate gb (a [K] add
+     per row of the walk) and the rows' 1/||q||, 1/||k|| (formed for the walk anyway; the
+     main kernel then walks K for no norms: the stage 770.9 against 775.9 us in one job,
+     H200, B=1, T=8192); in the main kernel a pairwise loop cost 1.85 of 3.25 ms (H200, B=1,
+     T=8192), in this kernel 228 us (278 at 2 warps, 388 for the previous form, an exp2 per
+     pair; benchmarks/NOTES.md, sessions 15-16), 240.5 with the stores of gb and the norms.
+  1. Per column slice of `block_k`: qg, kg and exp(G_last), with G = gb + the earlier
+     blocks' last rows of gb wherever a phase reads it (here, in phase 2 and in the w/u
+     kernel), so the main kernel forms no gate and writes no G scratch (the slice loop 815 ->
+     312 instructions; H200, 2026-12-02, B=1, T=8192, C = 32, one job: the stage 807.9
+     against 868.2 us, the prepare kernel 323.3 against 407.8 in the job before; a variant
+     that kept the G scratch took 980.8).
   2. Scores one sub-block of rows at a time: [sub, width] accumulators summed over the column
      slices (loops, not unrolled), stored as rows of A and, for L, into the scratch; the
-     unbounded gate's diagonal blocks come from phase 0. Only the key rows a sub-block can
-     see are formed: `width` is the next power of two at or above its last column (H200,
-     2026-12-01, B=1, T=8192: the kernel 737 against 752 us bounded, 645 against 746
-     unbounded, in one job).
-  3. T = (I + L)^-1 from the scratch's [sub, sub] blocks, stored back into the scratch (the
-     unbounded gate's diagonal T blocks come from phase 0, by forward substitution along its
-     row walk: the stage 704.1 against 755.6 us in one job, H200, B=1, T=8192).
+     diagonal blocks come from phase 0. Only the key rows a sub-block can see are formed:
+     `width` is the next power of two at or above its first row (H200, 2026-12-01, B=1,
+     T=8192: the kernel 737 against 752 us bounded, 645 against 746 unbounded, in one job).
+  3. T = (I + L)^-1 from the scratch's [sub, sub] blocks, stored back into the scratch; the
+     diagonal T blocks come from phase 0, by forward substitution along its row walk (the
+     stage 704.1 against 755.6 us in one job, H200, B=1, T=8192).
   4. In a second kernel (`kda_chunk_wu`, with its own occupancy: at the defaults ptxas gives it
      119 registers against the first one's 168; H200, 2026-12-01, bounded gate at B=1,
      T=8192: the whole core went from 1771 to 1564 us across the split, in two jobs; a
@@ -52,18 +48,17 @@ Structure (registers decide the speed here: the first version held the [C, K] ch
 Between the phases a barrier (`plt.debug_barrier`, __syncthreads) orders the scratch's stores
 before other threads of the same program load them; interpret mode runs in order without one.
 
-Decay safety (SPEC §5, overflow hazard): every exponent evaluated is <= 0 or bounded far below
-fp32 overflow. Rows of sub-block b use the reference r = b*sub (the block's first row):
-exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), the mask applied before `exp`, both factors
-<= 1 for columns j < r. With a bounded gate far from overflow ((sub - 1) |lb| <= 80 nats, e.g.
-lb = -5) the block's own columns are taken the same way (the second factor stays below e^80).
-Otherwise (unbounded gate) the diagonal block is computed by `kda_chunk_diag`, one query row at
-a time, with exp(G_i - G_j) as the running product of the rows' decays exp(g_t) in [0, 1]
-(within each half of the block; between the halves through the first half's last row m),
-exact at any decay strength: no exponent is formed, so nothing can overflow.
-T is built block by block: the diagonal [sub, sub] inverses as (I - L)(I + L^2)(I + L^4)(I + L^8)
-plus one Newton step (as accurate as an fp32 triangular solve, measured against float64), the
-off-diagonal blocks by T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ (full fp32 dots, no TF32).
+Decay safety (SPEC §5, overflow hazard): every exponent evaluated is <= 0. Rows of sub-block b
+use the reference r = b*sub (the block's first row): exp(G_i - G_j) = exp(G_i - G_r)
+exp(G_r - G_j), the mask applied before `exp`, both factors <= 1 for columns j < r. The
+diagonal block is computed by `kda_chunk_diag`, one query row at a time, with exp(G_i - G_j)
+as the running product of the rows' decays exp(g_t) in [0, 1] (within each half of the block;
+between the halves through the first half's last row m), exact at any decay strength: no
+exponent is formed, so nothing can overflow.
+T is built block by block: the diagonal [sub, sub] inverses by forward substitution in
+`kda_chunk_diag` (fp32 row updates; as accurate as an fp32 triangular solve, measured against
+float64 in tests/test_chunk.py), the off-diagonal blocks by T_IJ = -T_II sum_{J<=M<I} L_IM
+T_MJ (full fp32 dots, no TF32).
 Only the products that feed the state pass (scores, w, u) use the default (TF32) precision.
 
 Layouts (written chunk-major per (sequence, head), the order `chunk_scan` walks them):
@@ -90,8 +85,6 @@ __all__ = ["ChunkIntermediates", "PrepareBlockSizes", "chunk_prepare"]
 
 f32 = jnp.float32
 HI = lax.Precision.HIGHEST
-# Largest masked-out exponent the factorised diagonal may form (fp32 exp overflows past 88).
-_FACTORISED_MAX_NATS = 80.0
 _DIAG_LANES = 16  # K's minor part in the diagonal kernel
 
 
@@ -112,13 +105,12 @@ class PrepareBlockSizes:
 
     Attributes:
       sub: rows of a sub-block (16: the smallest Triton dot side); divides the chunk.
-      block_k: width of the K (and V) column slices the kernel loops over; a power of two >= 16
-        dividing K and V. Per-slice temporaries are [C, block_k] or [sub, block_k], so registers
-        hold little besides the [sub, C] score rows. 32 since session 6 (H200, 2026-12-01, the
-        stage alone at B=1, T=8192 in one job: 990.8 against 1082.8 us for 16, bounded gate;
-        1617.6 against 1659.1 unbounded; ptxas at sm_90a: 168 registers and 12 bytes of spills
-        bounded, 3 programs/SM as with 16's 142; 247 unbounded, 2/SM). With num_stages 1 and
-        the older kernel 16 had measured 7% faster.
+      block_k: width of the K (and V) column slices the main kernel loops over; a power of two
+        >= 16 dividing K and V. Per-slice temporaries are [C, block_k] or [sub, block_k], so
+        registers hold little besides the [sub, C] score rows. 64 (ptxas at sm_90a 136
+        registers, 3 programs/SM, against 120 and 4 at 32. H200, 2026-12-02, B=1, T=8192,
+        C = 32, unbounded gate: the stage 667.1 against 699.5 and 690.3 us at 32 in one job,
+        714.5 against 730.7 in another; bounded gate, 2026-12-03: 655.0 against 689.5 at 32).
       num_warps: Triton warps per program (8 and 2 measured slower than 4).
       num_stages: Triton software-pipelining depth of the slice loops' loads (1; ptxas at
         sm_90a with phase 1 forming the gate once: 125 registers bounded and 124 unbounded at
@@ -127,12 +119,7 @@ class PrepareBlockSizes:
         pipelined loads. H200, 2026-12-02, B=1, T=8192, C = 32, one job: the stage 688.8
         against 702.0 us bounded, 870.5 against 879.2 unbounded; 2 had been the faster depth
         before that change).
-      pairwise_block_k: block_k of the same kernel when the diagonal kernel supplies its
-        diagonal blocks, G and norms (the unbounded gate; 64: ptxas at sm_90a 136 registers,
-        3 programs/SM, against 120 and 4 at 32. H200, 2026-12-02, B=1, T=8192, C = 32: the
-        stage 667.1 against 699.5 and 690.3 us at 32 in one job, 714.5 against 730.7 in
-        another).
-      diag_warps: Triton warps per program of the unbounded gate's diagonal-block kernel (1;
+      diag_warps: Triton warps per program of the diagonal-block kernel (1;
         ptxas at sm_90a: 159 registers at 1 warp (12 programs/SM), 96 at 2, 72 at 4. H200,
         2026-12-02, B=1, T=8192, C = 32, one job: the stage 901.5 us at 1 warp, 959.0 at 2,
         1067.0 at 4, against 1074.6 for the previous kernel, a row walk with an exp2 per pair;
@@ -150,10 +137,9 @@ class PrepareBlockSizes:
     """
 
     sub: int = 16
-    block_k: int = 32
+    block_k: int = 64
     num_warps: int = 4
     num_stages: int = 1
-    pairwise_block_k: int = 64
     diag_warps: int = 1
     wu_block_k: int = 64
     wu_warps: int = 4
@@ -165,7 +151,6 @@ class PrepareBlockSizes:
         d = PrepareBlockSizes
         return d(
             block_k=min(d.block_k, k, v),
-            pairwise_block_k=min(d.pairwise_block_k, k, v),
             wu_block_k=min(d.wu_block_k, k, v),
         )
 
@@ -176,32 +161,9 @@ def _rows_and_cols(n: int):
     return rows, cols
 
 
-def _needs_pairwise(lower_bound: float | None, sub: int) -> bool:
-    """Whether diagonal sub-blocks must be computed pairwise (unbounded or strong bounded gate)."""
-    return lower_bound is None or (sub - 1) * abs(lower_bound) > _FACTORISED_MAX_NATS
-
-
 def _dot_nt(x, y):
     """x @ y.T with fp32 accumulation (TF32 products for fp32 operands on a GPU)."""
     return lax.dot_general(x, y, (((1,), (1,)), ((), ())), preferred_element_type=f32)
-
-
-def _unit_lower_inverse(lmat, *, sub: int):
-    """(I + L)^-1 of a strictly lower [sub, sub] L: (I - L)(I + L^2)(I + L^4)...(I + L^(sub/2)).
-
-    L^sub = 0, so the product is exact algebra; the dots run in full fp32 (no TF32). Measured
-    against a float64 solve in tests/test_chunk.py.
-    """
-    rows, cols = _rows_and_cols(sub)
-    eye = jnp.where(rows == cols, 1.0, 0.0).astype(f32)
-    dot = functools.partial(jnp.dot, precision=HI, preferred_element_type=f32)
-    inv, power, m = eye - lmat, lmat, 2
-    while m < sub:
-        power = dot(power, power)  # L^m
-        inv = dot(inv, eye + power)
-        m *= 2
-    # One Newton step, X <- X + X (I - (I + L) X), squares the product form's rounding error.
-    return inv + dot(inv, eye - dot(eye + lmat, inv))
 
 
 def _g_from_block_sums(gb_ref, rows, row_ids, cols, *, sub: int):
@@ -242,7 +204,7 @@ def _diag_pairwise_kernel(
     lower_bound,
     l2_eps,
 ):
-    """One (sequence, sub-block, head) of the unbounded gate: the diagonal block's scores
+    """One (sequence, sub-block, head): the diagonal block's scores
     a[i, j] = sum_d q_id k_jd exp(G_id - G_jd) and l[i, j] (the same with k_i) for j <= i, exact
     at any decay strength; 0 above the diagonal.
 
@@ -259,7 +221,7 @@ def _diag_pairwise_kernel(
     Each step stores row i of the scores (two sub/2-column parts; columns not yet set are 0)
     and forms row i of the block's T = (I + L)^-1, L_ij = beta_i l_ij for j < i, by forward
     substitution: t_i = e_i - sum_{j<i} L_ij t_j (T's rows kept in two [sub/2, sub] tiles; in
-    the prepare kernel the product form of `_unit_lower_inverse` took 816 of its 2088
+    the prepare kernel a product form (I - L)(I + L^2)(I + L^4)... took 816 of its 2088
     instructions, static SASS for sm_90a at C = 32). It also stores the block-local
     cumulative gate sum_{t <= i} g_t (row by row, a [K] add), from which
     `_chunk_prepare_kernel` builds G without forming the gate a second time, and the rows'
@@ -372,10 +334,7 @@ def _chunk_prepare_kernel(
     len_ref,
     q_ref,
     k_ref,
-    f_ref,
     b_ref,
-    ea_ref,
-    dt_ref,
     diag_a_ref,
     diag_t_ref,
     gb_ref,
@@ -385,26 +344,21 @@ def _chunk_prepare_kernel(
     a_ref,
     gl_ref,
     l_scr_ref,
-    g_scr_ref,
     *,
     scale: float,
-    lower_bound: float | None,
     l2_eps: float | None,
     sub: int,
     block_k: int,
 ):
     """One (sequence, chunk, head).
 
-    len_ref: [Bp] int32; q_ref, k_ref, f_ref: [C, K]; b_ref: [C]; ea_ref (exp A_log
-    broadcast over K), dt_ref: [K]; diag_a_ref, diag_t_ref: [C, sub] fp32, the diagonal blocks'
-    pairwise scores and T blocks from `_diag_pairwise_kernel` (unbounded gate; unused
-    otherwise); gb_ref: [C, K] fp32, that kernel's block-local cumulative gate (G comes from
-    it: f, ea and dt are then not read; unused otherwise); rn_ref: [C, 2] fp32, its rows'
-    1 / ||q|| and 1 / ||k|| (the same).
-    Outputs: qg_ref, kg_ref: [C, K]; a_ref: [C, C]; gl_ref: [1, K]. Scratch outputs, private to
-    this program until `_chunk_wu_kernel` reads them (fp32): l_scr_ref [C, 2C] holds L then T
-    (columns C..2C) and, at the end, beta/||k|| and beta in columns 0 and 1; g_scr_ref [C, K]
-    holds G (bounded gate; with gb a one-block stand-in, never written).
+    len_ref: [Bp] int32; q_ref, k_ref: [C, K]; b_ref: [C]; diag_a_ref, diag_t_ref: [C, sub]
+    fp32, the diagonal blocks' pairwise scores and T blocks from `_diag_pairwise_kernel`;
+    gb_ref: [C, K] fp32, that kernel's block-local cumulative gate (G comes from it); rn_ref:
+    [C, 2] fp32, its rows' 1 / ||q|| and 1 / ||k||.
+    Outputs: qg_ref, kg_ref: [C, K]; a_ref: [C, C]; gl_ref: [1, K]. l_scr_ref [C, 2C] fp32 is
+    the kernel's scratch, private to this program until `_chunk_wu_kernel` reads it: L then T
+    (columns C..2C) and, at the end, beta/||k|| and beta in columns 0 and 1.
     """
     c, kd = q_ref.shape
     nb, bk = c // sub, block_k
@@ -412,7 +366,6 @@ def _chunk_prepare_kernel(
     length = len_ref[seq]
     row = lax.broadcasted_iota(jnp.int32, (c, 1), 0)
     valid = chunk_idx * c + row < length  # [C, 1]
-    pairwise = _needs_pairwise(lower_bound, sub)
 
     def over_slices(n_cols, body, carry):
         """carry = body(cols, carry) for each column slice, as a loop (not unrolled: an unrolled
@@ -425,50 +378,24 @@ def _chunk_prepare_kernel(
         """[rows, bk] fp32, 0 at pads and past T (whatever the pads hold)."""
         return plt.load(ref.at[rows, cols], mask=ok, other=0.0).astype(f32)
 
-    def inv_norm(ref, rows=all_rows, ok=valid):
-        """1 / ||x|| per row (FLA's use_qk_l2norm_in_kernel), or 1 when q, k come normalised;
-        with the unbounded gate the diagonal kernel's."""
+    def inv_norm(ref, rows=all_rows):
+        """1 / ||x|| per row from the diagonal kernel (FLA's use_qk_l2norm_in_kernel), or 1 when
+        q, k come normalised."""
         if l2_eps is None:
             return 1.0
-        if pairwise:
-            return rn_ref[rows, pl.ds(0 if ref is q_ref else 1, 1)]
-        sq = over_slices(
-            kd,
-            lambda cols, acc: (
-                acc + jnp.sum(jnp.square(load(ref, cols, rows, ok)), 1, keepdims=True)
-            ),
-            jnp.zeros((rows.size, 1), f32),
-        )
-        return lax.rsqrt(sq + l2_eps)
+        return rn_ref[rows, pl.ds(0 if ref is q_ref else 1, 1)]
 
-    def decay(cols):
-        """Gate over a column slice (0 at pads) and its cumulative sum down the chunk's rows."""
-        ea = ea_ref[cols].astype(f32)[None, :]
-        dt = dt_ref[cols].astype(f32)[None, :]
-        g = jnp.where(valid, gate_math(load(f_ref, cols) + dt, ea, lower_bound), 0.0)
-        return jnp.cumsum(g, axis=0)
+    def g_rows(rows, row_ids, cols):
+        """G of some rows over a column slice, from the diagonal kernel's block sums."""
+        return _g_from_block_sums(gb_ref, rows, row_ids, cols, sub=sub)
 
     rq, rk = inv_norm(q_ref), inv_norm(k_ref)
     beta = jnp.where(valid[:, 0], beta_math(plt.load(b_ref, mask=valid[:, 0], other=0.0)), 0.0)
     beta = beta[:, None]
 
-    # 1. G = chunk-local cumulative log-decay, qg, kg and exp(G_last) out. Bounded gate: G into
-    # the scratch and read back (fenced) so the gate and its cumsum are formed once; unbounded:
-    # G from the diagonal kernel's block sums (module docstring).
-    def g_rows(rows, row_ids, cols):
-        """G of some rows over a column slice: from the diagonal kernel's block sums (pairwise)
-        or from this kernel's scratch."""
-        if pairwise:
-            return _g_from_block_sums(gb_ref, rows, row_ids, cols, sub=sub)
-        return g_scr_ref[rows, cols]
-
+    # 1. qg, kg and exp(G_last) out, G from the diagonal kernel's block sums.
     def cumulative(cols, carry):
-        if pairwise:
-            big_g = g_rows(all_rows, row, cols)
-        else:
-            g_scr_ref[:, cols] = decay(cols)
-            common.barrier()
-            big_g = g_scr_ref[:, cols]
+        big_g = g_rows(all_rows, row, cols)
         q, k = load(q_ref, cols) * rq, load(k_ref, cols) * rk
         g_last = g_rows(pl.ds(c - 1, 1), jnp.full((1, 1), c - 1, jnp.int32), cols)
         qg_ref[:, cols] = (scale * q * jnp.exp(big_g)).astype(qg_ref.dtype)
@@ -482,26 +409,25 @@ def _chunk_prepare_kernel(
     common.barrier()
 
     # 2. Scores, one sub-block of rows at a time ([sub, C] accumulators), summed over the column
-    # slices. Rows of block `blk` use the reference r = blk*sub (its first row):
-    # exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), the mask applied before `exp`, both factors
-    # <= 1 for j < r. A bounded gate far from overflow ((sub - 1) |lb| <= 80 nats) also takes its
-    # own block's columns this way (the second factor then stays below e^80); otherwise the
-    # diagonal block is computed pairwise from block-local decay sums (exact at any strength).
+    # slices, for the key rows before the block. Rows of block `blk` use the reference
+    # r = blk*sub (its first row): exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), the mask
+    # applied before `exp`, both factors <= 1 for j < r. The diagonal block is the diagonal
+    # kernel's (pairwise, exact at any decay strength).
     cols_c = lax.broadcasted_iota(jnp.int32, (1, c), 1)
 
     for blk in range(nb):
         rows = pl.ds(blk * sub, sub)
         row_ids = blk * sub + lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
         ok = chunk_idx * c + row_ids < length
-        bq, bkn = inv_norm(q_ref, rows, ok), inv_norm(k_ref, rows, ok)
-        last_col = blk * sub if pairwise else (blk + 1) * sub
+        bq, bkn = inv_norm(q_ref, rows), inv_norm(k_ref, rows)
+        last_col = blk * sub
         # Key rows at or past last_col are masked out: only the first `width` (a power of two)
         # are formed, loaded and multiplied.
         width = common.next_pow2(last_col) if last_col else 0
         beta_b = jnp.where(
             ok, beta_math(plt.load(b_ref.at[rows], mask=ok[:, 0], other=0.0))[:, None], 0.0
         )
-        diag = (cols_c // sub == blk) if pairwise else jnp.zeros((1, c), jnp.bool_)
+        diag = cols_c // sub == blk
         # A's columns past `width` are zeros (the diagonal block aside): stored apart, at
         # addresses disjoint from the stores below. `& (row_ids >= 0)` (always true) broadcasts
         # a [1, n] column mask to the stored tile's [sub, n].
@@ -544,14 +470,15 @@ def _chunk_prepare_kernel(
             cols_w = lax.broadcasted_iota(jnp.int32, (1, width), 1)
             a_rows = jnp.where(cols_w <= row_ids, scale * acc_a, 0.0).astype(a_ref.dtype)
             l_rows = jnp.where(cols_w < row_ids, beta_b * acc_l, 0.0)
-            off = (cols_w // sub != blk) | (not pairwise)
+            off = cols_w // sub != blk
             plt.store(a_ref.at[rows, keys], a_rows, mask=off & (row_ids >= 0))
             plt.store(l_scr_ref.at[rows, keys], l_rows, mask=off & (row_ids >= 0))
-        if pairwise:  # the diagonal block beside the rest of the rows (disjoint addresses)
-            a_ref[rows, pl.ds(blk * sub, sub)] = (scale * diag_a_ref[rows, :]).astype(a_ref.dtype)
+        # The diagonal block beside the rest of the rows (disjoint addresses).
+        a_ref[rows, pl.ds(blk * sub, sub)] = (scale * diag_a_ref[rows, :]).astype(a_ref.dtype)
     common.barrier()
 
-    # 3. T = (I + L)^-1 by sub-blocks (T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ), into the scratch.
+    # 3. T = (I + L)^-1 by sub-blocks (T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ), into the scratch;
+    # T_II is the diagonal kernel's forward substitution.
     def l_blk(i, j):
         return l_scr_ref[pl.ds(i * sub, sub), pl.ds(j * sub, sub)]
 
@@ -559,10 +486,7 @@ def _chunk_prepare_kernel(
         return l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + j * sub, sub)]
 
     for i in range(nb):  # row i needs T of rows < i only: stored and fenced by then
-        if pairwise:  # the diagonal kernel's forward substitution
-            t_ii = diag_t_ref[pl.ds(i * sub, sub), :]
-        else:
-            t_ii = _unit_lower_inverse(l_blk(i, i), sub=sub)
+        t_ii = diag_t_ref[pl.ds(i * sub, sub), :]
         l_scr_ref[pl.ds(i * sub, sub), pl.ds(c + i * sub, sub)] = t_ii
         for j in range(i - 1, -1, -1):
             acc = sum(
@@ -579,12 +503,12 @@ def _chunk_prepare_kernel(
     l_scr_ref[:, pl.ds(1, 1)] = beta
 
 
-def _chunk_wu_kernel(len_ref, k_ref, v_ref, t_ref, g_ref, w_ref, u_ref, *, sub, block_k, sums):
+def _chunk_wu_kernel(len_ref, k_ref, v_ref, t_ref, gb_ref, w_ref, u_ref, *, sub, block_k):
     """Phase 4 of the prepare stage: one (sequence, chunk, head).
 
     len_ref: [Bp] int32; k_ref: [C, K]; v_ref: [C, V]; t_ref: [C, 2C] fp32, the prepare
-    kernel's scratch (T in columns C..2C, beta/||k|| and beta in columns 0 and 1); g_ref: [C, K]
-    fp32, G, or with `sums` the diagonal kernel's block-local sums G is built from. Outputs:
+    kernel's scratch (T in columns C..2C, beta/||k|| and beta in columns 0 and 1); gb_ref:
+    [C, K] fp32, the diagonal kernel's block-local sums G is built from. Outputs:
     w_ref [C, K] = T (beta k exp(G)), u_ref [C, V] = T (beta v).
     """
     c = k_ref.shape[0]
@@ -593,9 +517,7 @@ def _chunk_wu_kernel(len_ref, k_ref, v_ref, t_ref, g_ref, w_ref, u_ref, *, sub, 
     valid = chunk_idx * c + row < len_ref[seq]
 
     def g_of(cols):
-        if sums:
-            return _g_from_block_sums(g_ref, pl.ds(0, c), row, cols, sub=sub)
-        return g_ref[:, cols]
+        return _g_from_block_sums(gb_ref, pl.ds(0, c), row, cols, sub=sub)
 
     def load(ref, cols):  # 0 at pads and past T (whatever the pads hold)
         return plt.load(ref.at[:, cols], mask=valid, other=0.0).astype(f32)
@@ -628,7 +550,7 @@ def _check_shapes(q, k, v, f, b, lengths, a_log, dt_bias, chunk, blk):
             raise ValueError(f"chunk_prepare: {name}={n} must be a power of two >= 16")
     if chunk % blk.sub:
         raise ValueError(f"chunk_prepare: chunk={chunk} must be a multiple of sub={blk.sub}")
-    for name in ("block_k", "pairwise_block_k", "wu_block_k"):
+    for name in ("block_k", "wu_block_k"):
         bk = getattr(blk, name)
         if bk < 16 or bk & (bk - 1) or kd % bk or vd % bk:
             raise ValueError(
@@ -705,7 +627,6 @@ def _chunk_prepare(
     dt = dt_bias.astype(f32).reshape(h, kd)
 
     tok = lambda d: pl.BlockSpec((None, chunk, None, d), lambda s, c, hh: (s, c, hh, 0))  # noqa: E731
-    head = pl.BlockSpec((None, kd), lambda s, c, hh: (hh, 0))
     inter = lambda d: pl.BlockSpec((None, None, chunk, d), lambda s, c, hh: (s, hh, c, 0))  # noqa: E731
     out_shape = ChunkIntermediates(
         qg=jax.ShapeDtypeStruct((bsz, h, tp, kd), mm_dtype),
@@ -725,108 +646,78 @@ def _chunk_prepare(
     )
     f4 = f.reshape(bsz, t, h, kd)
     sub = blk.sub
-    pairwise = _needs_pairwise(lower_bound, sub)
-    if pairwise:
-        diag_shape = jax.ShapeDtypeStruct((bsz, h, tp, sub), f32)
-        # K as [K/16, 16] (free reshapes): the key tiles [K/16, sub/2, 16] then keep 8 of a
-        # row's K values in each thread, so its sums over K are 8-term in-thread chains and
-        # 4 shuffle steps.
-        kq = kd // _DIAG_LANES
-        sub_tok = pl.BlockSpec(
-            (None, sub, None, kq, _DIAG_LANES), lambda s, i, hh: (s, i, hh, 0, 0)
-        )
-        head3 = pl.BlockSpec((None, kq, _DIAG_LANES), lambda s, i, hh: (hh, 0, 0))
-        split = lambda x: x.reshape(*x.shape[:-1], kq, _DIAG_LANES)  # noqa: E731
-        gb_shape = jax.ShapeDtypeStruct((bsz, tp, h, kq, _DIAG_LANES), f32)
-        rn_shape = jax.ShapeDtypeStruct((bsz, h, tp, 2), f32)
-        diag_a, diag_t, gb, rn = pl.pallas_call(
-            functools.partial(_diag_pairwise_kernel, lower_bound=lower_bound, l2_eps=l2_eps),
-            out_shape=(diag_shape, diag_shape, gb_shape, rn_shape),
-            grid=(bsz, tp // sub, h),
-            in_specs=[
-                pl.BlockSpec((lens.shape[0],), lambda s, i, hh: (0,)),
-                sub_tok,
-                sub_tok,
-                sub_tok,
-                pl.BlockSpec((None, sub, None), lambda s, i, hh: (s, i, hh)),
-                head3,
-                head3,
-            ],
-            out_specs=(
-                *2 * (pl.BlockSpec((None, None, sub, sub), lambda s, i, hh: (s, hh, i, 0)),),
-                sub_tok,
-                pl.BlockSpec((None, None, sub, 2), lambda s, i, hh: (s, hh, i, 0)),
-            ),
-            compiler_params=plt.CompilerParams(num_warps=blk.diag_warps, num_stages=1),
-            name="kda_chunk_diag",
-            interpret=common.interpret(),
-        )(lens, *(split(x) for x in (q, k, f4)), b, split(ea), split(dt))
-        diag_spec, gb, gb_spec, rn_spec = inter(sub), gb.reshape(bsz, tp, h, kd), tok(kd), inter(2)
-    else:  # not read: the factorised path computes the diagonal blocks and G with the rest
-        diag_a = diag_t = jnp.zeros((1, 1, chunk, sub), f32)
-        diag_spec = pl.BlockSpec((None, None, chunk, sub), lambda s, c, hh: (0, 0, 0, 0))
-        gb = jnp.zeros((1, chunk, 1, kd), f32)
-        gb_spec = pl.BlockSpec((None, chunk, None, kd), lambda s, c, hh: (0, 0, 0, 0))
-        rn = jnp.zeros((1, 1, chunk, 2), f32)
-        rn_spec = pl.BlockSpec((None, None, chunk, 2), lambda s, c, hh: (0, 0, 0, 0))
+    diag_shape = jax.ShapeDtypeStruct((bsz, h, tp, sub), f32)
+    # K as [K/16, 16] (free reshapes): the key tiles [K/16, sub/2, 16] then keep 8 of a row's K
+    # values in each thread, so its sums over K are 8-term in-thread chains and 4 shuffle steps.
+    kq = kd // _DIAG_LANES
+    sub_tok = pl.BlockSpec((None, sub, None, kq, _DIAG_LANES), lambda s, i, hh: (s, i, hh, 0, 0))
+    head3 = pl.BlockSpec((None, kq, _DIAG_LANES), lambda s, i, hh: (hh, 0, 0))
+    split = lambda x: x.reshape(*x.shape[:-1], kq, _DIAG_LANES)  # noqa: E731
+    gb_shape = jax.ShapeDtypeStruct((bsz, tp, h, kq, _DIAG_LANES), f32)
+    rn_shape = jax.ShapeDtypeStruct((bsz, h, tp, 2), f32)
+    diag_a, diag_t, gb, rn = pl.pallas_call(
+        functools.partial(_diag_pairwise_kernel, lower_bound=lower_bound, l2_eps=l2_eps),
+        out_shape=(diag_shape, diag_shape, gb_shape, rn_shape),
+        grid=(bsz, tp // sub, h),
+        in_specs=[
+            pl.BlockSpec((lens.shape[0],), lambda s, i, hh: (0,)),
+            sub_tok,
+            sub_tok,
+            sub_tok,
+            pl.BlockSpec((None, sub, None), lambda s, i, hh: (s, i, hh)),
+            head3,
+            head3,
+        ],
+        out_specs=(
+            *2 * (pl.BlockSpec((None, None, sub, sub), lambda s, i, hh: (s, hh, i, 0)),),
+            sub_tok,
+            pl.BlockSpec((None, None, sub, 2), lambda s, i, hh: (s, hh, i, 0)),
+        ),
+        compiler_params=plt.CompilerParams(num_warps=blk.diag_warps, num_stages=1),
+        name="kda_chunk_diag",
+        interpret=common.interpret(),
+    )(lens, *(split(x) for x in (q, k, f4)), b, split(ea), split(dt))
+    gb = gb.reshape(bsz, tp, h, kd)
     kernel = functools.partial(
-        _chunk_prepare_kernel,
-        scale=scale,
-        lower_bound=lower_bound,
-        l2_eps=l2_eps,
-        sub=sub,
-        block_k=blk.pairwise_block_k if pairwise else blk.block_k,
+        _chunk_prepare_kernel, scale=scale, l2_eps=l2_eps, sub=sub, block_k=blk.block_k
     )
-    # The last two outputs are the kernel's scratch: L then T, and G (never written when G
-    # comes from the diagonal kernel's block sums: then a one-block stand-in).
-    scr_shape = (
-        jax.ShapeDtypeStruct((bsz, h, tp, 2 * chunk), f32),
-        jax.ShapeDtypeStruct((1, 1, chunk, kd) if pairwise else (bsz, h, tp, kd), f32),
-    )
-    scr_specs = (
-        inter(2 * chunk),
-        pl.BlockSpec((None, None, chunk, kd), lambda s, c, hh: (0, 0, 0, 0))
-        if pairwise
-        else inter(kd),
-    )
+    # The last output is the kernel's scratch: L then T, and the row scales of w and u.
+    scr_shape = jax.ShapeDtypeStruct((bsz, h, tp, 2 * chunk), f32)
     kept = [name for name in ChunkIntermediates._fields if name not in ("w", "u")]
     res = pl.pallas_call(
         kernel,
-        out_shape=(*(getattr(out_shape, n) for n in kept), *scr_shape),
+        out_shape=(*(getattr(out_shape, n) for n in kept), scr_shape),
         grid=(bsz, n, h),
         in_specs=[
             pl.BlockSpec((lens.shape[0],), lambda s, c, hh: (0,)),
             tok(kd),
             tok(kd),
-            tok(kd),
             pl.BlockSpec((None, chunk, None), lambda s, c, hh: (s, c, hh)),
-            head,
-            head,
-            diag_spec,
-            diag_spec,
-            gb_spec,
-            rn_spec,
+            inter(sub),
+            inter(sub),
+            tok(kd),
+            inter(2),
         ],
-        out_specs=(*(getattr(out_specs, n) for n in kept), *scr_specs),
+        out_specs=(*(getattr(out_specs, n) for n in kept), inter(2 * chunk)),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
         name="kda_chunk_prepare",
         interpret=common.interpret(),
-    )(lens, q, k, f4, b, ea, dt, diag_a, diag_t, gb, rn)
-    outs = dict(zip(kept, res[:-2], strict=True))
+    )(lens, q, k, b, diag_a, diag_t, gb, rn)
+    outs = dict(zip(kept, res[:-1], strict=True))
     outs["w"], outs["u"] = pl.pallas_call(
-        functools.partial(_chunk_wu_kernel, sub=sub, block_k=blk.wu_block_k, sums=pairwise),
+        functools.partial(_chunk_wu_kernel, sub=sub, block_k=blk.wu_block_k),
         out_shape=(out_shape.w, out_shape.u),
         grid=(bsz, n, h),
         in_specs=[
             pl.BlockSpec((lens.shape[0],), lambda s, c, hh: (0,)),
             tok(kd),
             tok(vd),
-            scr_specs[0],
-            gb_spec if pairwise else scr_specs[1],
+            inter(2 * chunk),
+            tok(kd),
         ],
         out_specs=(out_specs.w, out_specs.u),
         compiler_params=plt.CompilerParams(num_warps=blk.wu_warps, num_stages=blk.wu_stages),
         name="kda_chunk_wu",
         interpret=common.interpret(),
-    )(lens, k, v, res[-2], gb if pairwise else res[-1])
+    )(lens, k, v, res[-1], gb)
     return ChunkIntermediates(**outs)

@@ -107,9 +107,9 @@ def _assert_finite(*xs):
     ],
 )
 def test_prepare_matches_reference(rng, chunk, lower_bound):
-    """fp32 intermediates: pairwise (unbounded, and bounded with 15 |lb| past 80 nats) and
-    factorised (bounded) diagonal sub-blocks, off-diagonal sub-blocks (chunk >= 32), T and
-    lengths off the chunk grid, NaN pads."""
+    """fp32 intermediates, both gates (a strong bounded one too): the diagonal kernel's
+    sub-blocks, off-diagonal sub-blocks (chunk >= 32), T and lengths off the chunk grid, NaN
+    pads."""
     args = _prep_args(_inputs(rng))
     kw = dict(scale=K**-0.5, chunk=chunk, lower_bound=lower_bound, mm_dtype=f32)
     got = chunk_prepare(*args, **kw)
@@ -120,11 +120,12 @@ def test_prepare_matches_reference(rng, chunk, lower_bound):
         assert_close(g, w, FP32_TOL, f"chunk_prepare.{name}")
 
 
-def test_prepare_diagonal_at_block_edges(rng):
-    """The unbounded gate's diagonal kernel where a sequence ends at its edges: one token, at
-    the end of the first half of a 16-row block, at the end of a block, one token past it."""
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
+def test_prepare_diagonal_at_block_edges(rng, lower_bound):
+    """The diagonal kernel where a sequence ends at its edges: one token, at the end of the
+    first half of a 16-row block, at the end of a block, one token past it."""
     args = _prep_args(_inputs(rng, b=4, lengths=[1, 8, 16, 17]))
-    kw = dict(scale=K**-0.5, chunk=16, lower_bound=None, mm_dtype=f32)
+    kw = dict(scale=K**-0.5, chunk=16, lower_bound=lower_bound, mm_dtype=f32)
     got = chunk_prepare(*args, **kw)
     want = ChunkIntermediates(*ref.chunk_prepare_reference(*args, **kw))
     for name in ChunkIntermediates._fields:
@@ -155,19 +156,17 @@ def test_prepare_fused_l2(rng):
     "blk",
     [
         PrepareBlockSizes.default_for(K, K),
-        PrepareBlockSizes(
-            block_k=16, num_stages=1, pairwise_block_k=16, diag_warps=4, wu_block_k=16
-        ),
-        PrepareBlockSizes(block_k=16, pairwise_block_k=32, wu_block_k=32, wu_stages=2),
+        PrepareBlockSizes(block_k=16, num_stages=1, diag_warps=4, wu_block_k=16),
+        PrepareBlockSizes(block_k=32, wu_block_k=32, wu_stages=2),
     ],
     ids=["default", "unpipelined", "wu-pipelined"],
 )
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
 def test_prepare_column_slices(rng, lower_bound, blk):
     """Four sub-blocks (chunk 64) with the L2 norm fused, K and V in one 32-wide slice (the
-    default's 32) or streamed in two (block_k=16 of 32): the scores summed slice by slice equal
-    the reference; the w/u kernel on one 32-wide slice (the default's 64 capped at K) or two
-    16-wide ones, loads pipelined or not (stages matter on a GPU)."""
+    default's 64 capped at K) or streamed in two (block_k=16 of 32): the scores summed slice by
+    slice equal the reference; the w/u kernel on one 32-wide slice or two 16-wide ones, loads
+    pipelined or not (stages matter on a GPU)."""
     q, k, v, f, beta, lengths, a_log, dt_bias = _prep_args(_inputs(rng))
     kw = dict(scale=K**-0.5, chunk=64, lower_bound=lower_bound, mm_dtype=f32)
     got = _chunk_prepare(
@@ -180,15 +179,17 @@ def test_prepare_column_slices(rng, lower_bound, blk):
         assert_close(getattr(got, name), getattr(want, name), FP32_TOL, name)
 
 
-@pytest.mark.parametrize("pairwise_block_k", [64, 128])
-def test_prepare_wide_pairwise_slices(rng, pairwise_block_k):
-    """The unbounded gate's main kernel at K = V = 128 in slices of 64 (the default: two per
-    row) or 128 (one), the L2 norm fused, chunk 32, NaN pads: equal to the reference."""
+@pytest.mark.parametrize(
+    "lower_bound, block_k",
+    [(None, 64), (None, 128), (-5.0, 64)],
+    ids=["unbounded-64", "unbounded-128", "bounded-64"],
+)
+def test_prepare_wide_slices(rng, lower_bound, block_k):
+    """The main kernel at K = V = 128 in slices of 64 (the default: two per row) or 128 (one),
+    the L2 norm fused, chunk 32, NaN pads: equal to the reference."""
     q, k, v, f, beta, lengths, a_log, dt_bias = _prep_args(_inputs(rng, h=1, kd=128))
-    blk = dataclasses.replace(
-        PrepareBlockSizes.default_for(128, 128), pairwise_block_k=pairwise_block_k
-    )
-    kw = dict(scale=128**-0.5, chunk=32, lower_bound=None, mm_dtype=f32)
+    blk = dataclasses.replace(PrepareBlockSizes.default_for(128, 128), block_k=block_k)
+    kw = dict(scale=128**-0.5, chunk=32, lower_bound=lower_bound, mm_dtype=f32)
     got = _chunk_prepare(
         2.0 * q, 0.5 * k, v, f, beta, lengths, a_log, dt_bias, **kw, l2_eps=1e-6, blk=blk
     )
@@ -202,9 +203,8 @@ def test_prepare_wide_pairwise_slices(rng, pairwise_block_k):
 def test_prepare_default_block_sizes_fit_head_dim():
     assert PrepareBlockSizes.default_for(128, 128) == PrepareBlockSizes()
     assert PrepareBlockSizes.default_for(32, 64).wu_block_k == 32
-    assert PrepareBlockSizes.default_for(16, 64) == PrepareBlockSizes(
-        block_k=16, pairwise_block_k=16, wu_block_k=16
-    )
+    assert PrepareBlockSizes.default_for(32, 64).block_k == 32
+    assert PrepareBlockSizes.default_for(16, 64) == PrepareBlockSizes(block_k=16, wu_block_k=16)
 
 
 def test_scan_default_block_sizes():
@@ -220,7 +220,7 @@ def test_scan_default_block_sizes():
     assert ScanBlockSizes.default_for(4, 32, 128, 64) == ScanBlockSizes(64, 4, 2)
 
 
-@pytest.mark.parametrize("name", ["block_k", "pairwise_block_k", "wu_block_k"])
+@pytest.mark.parametrize("name", ["block_k", "wu_block_k"])
 def test_prepare_rejects_bad_block_k(rng, name):
     args = _prep_args(_inputs(rng))
     with pytest.raises(ValueError, match=f"{name}=24 must be a power of two"):
@@ -252,9 +252,8 @@ def test_prepare_strong_decay_is_finite_and_exact(rng):
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
 def test_prepare_inverse_vs_float64_solve(rng, lower_bound):
     """(I+L)^-1 against a float64 solve, on an ill-conditioned chunk (correlated keys, beta near
-    1, weak decay): no worse than fp32 solve_triangular. The unbounded gate's diagonal blocks
-    come from the diagonal kernel's forward substitution, the bounded gate's from the product
-    form (`_unit_lower_inverse`); the off-diagonal blocks are block substitution in both."""
+    1, weak decay): no worse than fp32 solve_triangular. The diagonal blocks come from the
+    diagonal kernel's forward substitution, the off-diagonal blocks from block substitution."""
     # Weak decay: unbounded exp(A_log) ~ e^-6; bounded lb sigmoid(exp(A_log) u) with A_log ~ 0
     # and u ~ -8, ~2e-3 per token.
     q, k, v, f, beta, _, _, lengths, a_log, dt_bias, _ = _inputs(
@@ -446,7 +445,7 @@ def test_prefill_core_lowers_for_h200(lower_bound, chunk):
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
 def test_prepare_lowers_for_h200(lower_bound):
     """chunk_prepare at Kimi-Linear sizes (H=32, K=V=128, C=64), bf16, fused L2 norm, T off the
-    chunk grid: the real Triton IR of its kernels builds (the diagonal kernel: unbounded only)."""
+    chunk grid: the real Triton IR of its three kernels builds."""
     b, t, h, kd = 2, 300, 32, 128
     s = jax.ShapeDtypeStruct
     args = (
@@ -461,8 +460,8 @@ def test_prepare_lowers_for_h200(lower_bound):
         *a, scale=kd**-0.5, chunk=64, lower_bound=lower_bound, mm_dtype=bf16, l2_eps=1e-6
     )
     text = lower_for_h200(fn, *args)
-    assert "kda_chunk_prepare" in text and "kda_chunk_wu" in text
-    assert ("kda_chunk_diag" in text) == (lower_bound is None)
+    for name in ("kda_chunk_diag", "kda_chunk_prepare", "kda_chunk_wu"):
+        assert name in text, name
 
 
 # ----------------------------------------------------------------------------------------------

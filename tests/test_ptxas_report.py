@@ -19,6 +19,7 @@ from pallas_kernels.chunk_scan import ScanBlockSizes  # noqa: E402
 _BLK = PrepareBlockSizes.default_for(128, 128)
 _SCAN = ScanBlockSizes.default_for(ptxas_report.B, ptxas_report.H, ptxas_report.K, ptxas_report.C)
 _PREPARE = [
+    ("kda_chunk_diag", _BLK.diag_warps, 1),
     ("kda_chunk_prepare", _BLK.num_warps, _BLK.num_stages),
     ("kda_chunk_wu", _BLK.wu_warps, _BLK.wu_stages),
 ]
@@ -29,7 +30,7 @@ _PREPARE = [
     [
         ("scan", [("kda_chunk_scan", _SCAN.num_warps, _SCAN.num_stages)]),
         ("prepare-bounded", _PREPARE),
-        ("prepare-unbounded", [("kda_chunk_diag", _BLK.diag_warps, 1), *_PREPARE]),
+        ("prepare-unbounded", _PREPARE),
     ],
 )
 def test_modules_are_clean_mlir_with_launch_params(case, kernels):
