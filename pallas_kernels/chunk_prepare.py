@@ -112,8 +112,9 @@ class PrepareBlockSizes:
         C = 32, unbounded gate: the stage 667.1 against 699.5 and 690.3 us at 32 in one job,
         714.5 against 730.7 in another; bounded gate, 2026-12-03: 655.0 against 689.5 at 32).
       num_warps: Triton warps per program (8 and 2 measured slower than 4).
-      num_stages: Triton software-pipelining depth of the slice loops' loads (1; ptxas at
-        sm_90a with phase 1 forming the gate once: 125 registers bounded and 124 unbounded at
+      num_stages: Triton software-pipelining depth of the slice loops' loads (1; measured
+        while the bounded gate still formed its gate in this kernel: ptxas at sm_90a with
+        phase 1 forming the gate once: 125 registers bounded and 124 unbounded at
         1 (120 unbounded since T's diagonal blocks come from the diagonal kernel), 4
         programs/SM; 142 and 127 at 2, with 17 and 11 KB of shared memory for the
         pipelined loads. H200, 2026-12-02, B=1, T=8192, C = 32, one job: the stage 688.8
