@@ -386,9 +386,7 @@ def _chunk_prepare_kernel(
             return 1.0
         return rn_ref[rows, pl.ds(0 if ref is q_ref else 1, 1)]
 
-    def g_rows(rows, row_ids, cols):
-        """G of some rows over a column slice, from the diagonal kernel's block sums."""
-        return _g_from_block_sums(gb_ref, rows, row_ids, cols, sub=sub)
+    g_rows = functools.partial(_g_from_block_sums, gb_ref, sub=sub)  # (rows, row_ids, cols)
 
     rq, rk = inv_norm(q_ref), inv_norm(k_ref)
     beta = jnp.where(valid[:, 0], beta_math(plt.load(b_ref, mask=valid[:, 0], other=0.0)), 0.0)
@@ -417,14 +415,14 @@ def _chunk_prepare_kernel(
     cols_c = lax.broadcasted_iota(jnp.int32, (1, c), 1)
 
     for blk in range(nb):
-        rows = pl.ds(blk * sub, sub)
-        row_ids = blk * sub + lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
+        r0 = blk * sub  # the block's first row: the reference r, and its first own key column
+        rows = pl.ds(r0, sub)
+        row_ids = r0 + lax.broadcasted_iota(jnp.int32, (sub, 1), 0)
         ok = chunk_idx * c + row_ids < length
         bq, bkn = inv_norm(q_ref, rows), inv_norm(k_ref, rows)
-        last_col = blk * sub
-        # Key rows at or past last_col are masked out: only the first `width` (a power of two)
-        # are formed, loaded and multiplied.
-        width = common.next_pow2(last_col) if last_col else 0
+        # Key rows at or past r0 are masked out: only the first `width` (a power of two) are
+        # formed, loaded and multiplied.
+        width = common.next_pow2(r0) if r0 else 0
         beta_b = jnp.where(
             ok, beta_math(plt.load(b_ref.at[rows], mask=ok[:, 0], other=0.0))[:, None], 0.0
         )
@@ -451,17 +449,16 @@ def _chunk_prepare_kernel(
                 ok=ok,
                 bq=bq,
                 bkn=bkn,
-                blk=blk,
-                last_col=last_col,
+                r0=r0,
                 keys=keys,
                 key_row=key_row,
                 key_ok=key_ok,
                 key_rk=key_rk,
             ):
                 q_b, k_b = load(q_ref, cols, rows, ok) * bq, load(k_ref, cols, rows, ok) * bkn
-                g_r = g_rows(pl.ds(blk * sub, 1), jnp.full((1, 1), blk * sub, jnp.int32), cols)
+                g_r = g_rows(pl.ds(r0, 1), jnp.full((1, 1), r0, jnp.int32), cols)
                 to_r = jnp.exp(g_rows(rows, row_ids, cols) - g_r)
-                from_r = jnp.where(key_row < last_col, g_r - g_rows(keys, key_row, cols), -jnp.inf)
+                from_r = jnp.where(key_row < r0, g_r - g_rows(keys, key_row, cols), -jnp.inf)
                 k_col = load(k_ref, cols, keys, key_ok) * key_rk * jnp.exp(from_r)
                 acc_a, acc_l = accs
                 return acc_a + _dot_nt(q_b * to_r, k_col), acc_l + _dot_nt(k_b * to_r, k_col)
@@ -475,7 +472,7 @@ def _chunk_prepare_kernel(
             plt.store(a_ref.at[rows, keys], a_rows, mask=off & (row_ids >= 0))
             plt.store(l_scr_ref.at[rows, keys], l_rows, mask=off & (row_ids >= 0))
         # The diagonal block beside the rest of the rows (disjoint addresses).
-        a_ref[rows, pl.ds(blk * sub, sub)] = (scale * diag_a_ref[rows, :]).astype(a_ref.dtype)
+        a_ref[rows, pl.ds(r0, sub)] = (scale * diag_a_ref[rows, :]).astype(a_ref.dtype)
     common.barrier()
 
     # 3. T = (I + L)^-1 by sub-blocks (T_IJ = -T_II sum_{J<=M<I} L_IM T_MJ), into the scratch;
