@@ -12,18 +12,15 @@ import math
 import os
 from typing import Any
 
+import numpy as np
+
 __all__ = ["DEFAULT_CHUNK", "KdaConfig", "PRESETS", "preset"]
 
 # Shared memory per thread block on an H100/H200 (227 KB); the chunk kernels keep fp32 tiles there.
 SMEM_CEILING_BYTES = 227 * 1024
 
 # The prefill chunk width C when none is given. It changes the arithmetic order, not the result.
-# 32 rather than 64: the intra-chunk stage (chunk_prepare) does work per token in proportion to
-# C, while the state pass takes one serial loop trip per chunk, so its time grows as C shrinks;
-# on the H200 the first term wins. Core prefill at Kimi-Linear heads, C = 32 against 64 in one job
-# (2026-12-01, session 12, benchmarks/results/history/2026-12-01-f7db4a3-chunk32/): B=1,
-# T=8192 1222 against 1288 us (bounded gate), 1587 against 1633 (unbounded); B=4, T=4096 1859
-# against 2345 (bounded), 2593 against 3070 (unbounded). C = 16 was slower than both.
+# 32 rather than 64 or 16: the fastest core on an H200 (docs/performance.md).
 DEFAULT_CHUNK = 32
 
 
@@ -57,6 +54,19 @@ class KdaConfig:
     l2_eps: float = 1e-6
     chunk: int = DEFAULT_CHUNK
     max_verify: int = 8
+
+    def __post_init__(self):
+        # Integer-like and float-like numpy scalars become Python numbers, so the config stays
+        # hashable and prints plainly; then every limit is checked: an invalid config never exists.
+        for name in ("hidden", "heads", "head_dim", "conv_kernel", "chunk", "max_verify"):
+            value = getattr(self, name)
+            if isinstance(value, np.integer):
+                object.__setattr__(self, name, int(value))
+        for name in ("gate_lower_bound", "rms_norm_eps", "l2_eps"):
+            value = getattr(self, name)
+            if isinstance(value, np.floating | np.integer | int) and not isinstance(value, bool):
+                object.__setattr__(self, name, float(value))
+        self.validate()
 
     # Derived sizes (SPEC notation).
     @property
@@ -118,7 +128,10 @@ class KdaConfig:
 
         for name in ("hidden", "heads", "head_dim", "conv_kernel", "chunk", "max_verify"):
             value = getattr(self, name)
-            need(isinstance(value, int) and value > 0, f"{name}={value!r} must be a positive int")
+            need(
+                isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                f"{name}={value!r} must be a positive int",
+            )
         if errors:
             raise ValueError("invalid KdaConfig: " + "; ".join(errors))
         need(
@@ -151,13 +164,16 @@ class KdaConfig:
         if self.gate_lower_bound is not None:
             lb = self.gate_lower_bound
             need(
-                math.isfinite(lb) and lb < 0,
+                isinstance(lb, float) and math.isfinite(lb) and lb < 0,
                 f"gate_lower_bound={lb} must be a finite negative number (or None for the "
                 "unbounded gate): the bounded gate is lb * sigmoid(...)",
             )
         for name in ("rms_norm_eps", "l2_eps"):
             value = getattr(self, name)
-            need(value > 0 and math.isfinite(value), f"{name}={value} must be positive and finite")
+            need(
+                isinstance(value, float) and value > 0 and math.isfinite(value),
+                f"{name}={value!r} must be a positive finite float",
+            )
         if errors:
             raise ValueError("invalid KdaConfig: " + "; ".join(errors))
         return self

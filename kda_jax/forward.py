@@ -11,18 +11,35 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kda_jax import backends
 from kda_jax.config import KdaConfig
 from kda_jax.params import KdaParams, in_proj_slices
 from kda_jax.state import KdaState
 
-__all__ = ["prefill", "decode", "decode_k"]
+__all__ = ["MAX_DECODE_ROWS", "prefill", "decode", "decode_k"]
+
+# Rows (B * k) one pallas decode or verify call can take: the projections' largest row tile.
+MAX_DECODE_ROWS = 64
 
 _STATIC = ("cfg", "backend", "return_stages")
 
 
-def _check_x(x: jax.Array, cfg: KdaConfig, rank: int, what: str) -> None:
+def _check_cfg(cfg, what: str) -> None:
+    """Before jit sees cfg as a static argument: it must be a (valid, hashable) KdaConfig."""
+    if not isinstance(cfg, KdaConfig):
+        raise TypeError(f"{what}: cfg is a {type(cfg).__name__}, expected a KdaConfig")
+    cfg.validate()
+
+
+def _check_inputs(params, cfg: KdaConfig, x, state: KdaState, rank: int, what: str) -> None:
+    """Every check an entry point makes before any work: params, x, state."""
+    if not isinstance(params, KdaParams):
+        raise TypeError(f"{what}: params is a {type(params).__name__}, expected a KdaParams")
+    params.check(cfg)
+    if not isinstance(state, KdaState):
+        raise TypeError(f"{what}: state is a {type(state).__name__}, expected a KdaState")
     if x.ndim != rank or x.shape[-1] != cfg.hidden:
         want = {2: "[B, D]", 3: "[B, T, D]" if what == "prefill" else "[B, k, D]"}[rank]
         raise ValueError(
@@ -30,6 +47,37 @@ def _check_x(x: jax.Array, cfg: KdaConfig, rank: int, what: str) -> None:
         )
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"{what}: x has dtype {x.dtype}, expected a floating dtype")
+    state.check(cfg, x.shape[0])
+
+
+def _check_backend(backend: str, what: str, rows: int | None = None) -> None:
+    """The pallas backend's envelope, checked before tracing any kernel."""
+    if backend != "pallas":
+        return
+    if jax.config.jax_enable_x64:
+        raise NotImplementedError(
+            f"{what}: the pallas backend does not run with jax_enable_x64 on (its kernels index "
+            "in int32); use backend='xla' or turn x64 off"
+        )
+    if rows is not None and rows > MAX_DECODE_ROWS:
+        raise ValueError(
+            f"{what}: {rows} rows (B * k) exceed the pallas backend's decode limit of "
+            f"{MAX_DECODE_ROWS}; use backend='xla' for larger batches"
+        )
+
+
+@jax.custom_jvp
+def _refuse_grad(tree):
+    """Identity whose derivative raises: the pallas kernels have no VJP yet."""
+    return tree
+
+
+@_refuse_grad.defjvp
+def _refuse_grad_jvp(primals, tangents):
+    raise NotImplementedError(
+        "the pallas backend has no gradient yet (its kernels define no VJP); differentiate "
+        "through backend='xla'"
+    )
 
 
 def _in_proj(st: backends.Stages, params: KdaParams, cfg: KdaConfig, x: jax.Array):
@@ -47,9 +95,14 @@ def _heads(cfg: KdaConfig, a: jax.Array) -> jax.Array:
 
 def _rows(params, cfg, x, state, backend, snapshots, return_stages):
     """R rows per sequence through the decode path; shared by `decode` and `decode_k`."""
-    st = backends.stages(backends.resolve(backend))
+    backend = backends.resolve(backend)
     b_, r, d = x.shape
-    state.check(cfg, b_)
+    _check_backend(backend, "decode_k" if snapshots else "decode", b_ * r)
+    if b_ == 0:
+        return _empty_rows(params, cfg, x, state, snapshots, return_stages)
+    if backend == "pallas":
+        params, x, state = _refuse_grad((params, x, state))
+    st = backends.stages(backend)
     qkv, f_a, g_a, b = _in_proj(st, params, cfg, x.reshape(b_ * r, d))
     shape = lambda a: a.reshape(b_, r, a.shape[-1])  # noqa: E731
     qkv = shape(qkv)
@@ -94,7 +147,17 @@ def _rows(params, cfg, x, state, backend, snapshots, return_stages):
     return out, new_state, snaps, stages
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+def _empty_rows(params, cfg, x, state, snapshots, return_stages):
+    """An empty batch: nothing to compute."""
+    b_, r, _ = x.shape
+    out = jnp.zeros((b_, r, cfg.hidden), params.dtype)
+    snaps = None
+    if snapshots:
+        snaps = jax.tree.map(lambda a: jnp.zeros((b_, r, *a.shape[1:]), a.dtype), state)
+    stages = {} if return_stages else None
+    return out, state, snaps, stages
+
+
 def decode(
     params: KdaParams,
     cfg: KdaConfig,
@@ -115,7 +178,13 @@ def decode(
     Returns:
       (y [B, D] in the weights' dtype, new state) and the stage dict when asked.
     """
-    _check_x(x, cfg, 2, "decode")
+    _check_cfg(cfg, "decode")
+    return _decode(params, cfg, x, state, backend=backend, return_stages=return_stages)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _decode(params, cfg, x, state, *, backend, return_stages):
+    _check_inputs(params, cfg, x, state, 2, "decode")
     y, new_state, _, stages = _rows(params, cfg, x[:, None], state, backend, False, return_stages)
     y = y[:, 0]
     if return_stages:
@@ -123,7 +192,6 @@ def decode(
     return y, new_state
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
 def decode_k(
     params: KdaParams,
     cfg: KdaConfig,
@@ -145,7 +213,13 @@ def decode_k(
     (`pallas_kernels.gemv.MAX_KERNEL_ROWS`: the projections' rows share one tiling); with more
     rows the projections take the 9..64-row tiling and agree within rounding.
     """
-    _check_x(x, cfg, 3, "decode_k")
+    _check_cfg(cfg, "decode_k")
+    return _decode_k(params, cfg, x, state, backend=backend, return_stages=return_stages)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _decode_k(params, cfg, x, state, *, backend, return_stages):
+    _check_inputs(params, cfg, x, state, 3, "decode_k")
     k = x.shape[1]
     if not 1 <= k <= cfg.max_verify:
         raise ValueError(f"decode_k: k={k} rows, expected 1 <= k <= max_verify={cfg.max_verify}")
@@ -155,7 +229,6 @@ def decode_k(
     return y, new_state, snaps
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
 def prefill(
     params: KdaParams,
     cfg: KdaConfig,
@@ -171,25 +244,79 @@ def prefill(
     Args:
       x: [B, T, D]; T is static (one compilation per padded T).
       state: KdaState for B sequences.
-      lengths: [B] int (traced), real tokens per row, clipped to [0, T]; None means all T.
-        Positions at or past lengths[b] touch neither the state nor any real output, whatever
-        they hold; their outputs are 0.
+      lengths: [B] int (traced), real tokens per row, in [0, T]; None means all T. Positions at
+        or past lengths[b] touch neither the state nor any real output, whatever they hold
+        (NaN included, in values and in gradients); their outputs are 0. Concrete lengths
+        outside [0, T] are refused; traced ones are clipped to it.
     Returns:
       (y [B, T, D], new state) and the stage dict when asked.
+
+    A real token whose input holds NaN or inf poisons its own row from that token on, as the
+    recurrence does: its output and every later real output of the row are NaN, and so is the
+    row's new state (recurrent and conv). Earlier outputs and other rows are untouched.
     """
-    _check_x(x, cfg, 3, "prefill")
+    _check_cfg(cfg, "prefill")
+    shape = np.shape(x)
+    if len(shape) == 3:
+        lengths = _check_lengths(lengths, shape[0], shape[1])
+    return _prefill(params, cfg, x, state, lengths, backend=backend, return_stages=return_stages)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _prefill(params, cfg, x, state, lengths, *, backend, return_stages):
+    _check_inputs(params, cfg, x, state, 3, "prefill")
+    backend = backends.resolve(backend)
+    _check_backend(backend, "prefill")
     b_, t, _ = x.shape
     if lengths is None:
         lengths = jnp.full((b_,), t, jnp.int32)
+    if b_ == 0 or t == 0:
+        out = jnp.zeros((b_, t, cfg.hidden), params.dtype)
+        return (out, state, {}) if return_stages else (out, state)
+    if backend == "pallas":
+        params, x, state = _refuse_grad((params, x, state))
+    # The block reads only the real tokens before a row's first non-finite one (`ok`): the
+    # chunked products would otherwise carry a NaN back to earlier rows of its chunk (0 * NaN).
+    pos = jnp.arange(t)[None, :]
+    real = pos < lengths[:, None]
+    first_bad = jnp.min(jnp.where(real & ~jnp.isfinite(x).all(-1), pos, t), axis=1)
+    ok = jnp.minimum(lengths, first_bad)
+    x = jnp.where((pos < ok[:, None])[..., None], x, 0)
+    out, new_state, stages = _prefill_rows(params, cfg, x, state, ok, backend, return_stages)
+    out = jnp.where((real & (pos >= ok[:, None]))[..., None], jnp.nan, out)
+    poisoned = ok < lengths
+    new_state = jax.tree.map(
+        lambda a: jnp.where(poisoned.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.nan, a), new_state
+    )
+    if return_stages:
+        stages["final_out"] = out
+        return out, new_state, stages
+    return out, new_state
+
+
+def _check_lengths(lengths, b_: int, t: int) -> jax.Array:
+    """lengths as [B] int32; concrete values outside [0, T] raise, traced ones are clipped."""
+    if lengths is None:
+        return None
     lengths = jnp.asarray(lengths)
     if lengths.shape != (b_,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(
             f"prefill: lengths has shape {lengths.shape} and dtype {lengths.dtype}, "
             f"expected [{b_}] integers"
         )
-    lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
-    state.check(cfg, b_)
-    st = backends.stages(backends.resolve(backend))
+    try:
+        vals = np.asarray(lengths)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        vals = None  # traced: clipped below
+    if vals is not None and ((vals < 0) | (vals > t)).any():
+        raise ValueError(f"prefill: lengths {vals.tolist()} must lie in [0, T={t}]")
+    return jnp.clip(lengths.astype(jnp.int32), 0, t)
+
+
+def _prefill_rows(params, cfg, x, state, lengths, backend, return_stages):
+    """The block over x [B, T, D] whose rows are real below `lengths` and finite there."""
+    b_, t, _ = x.shape
+    st = backends.stages(backend)
     qkv, f_a, g_a, b = _in_proj(st, params, cfg, x.reshape(b_ * t, -1))
     f, z = st.proj_many((f_a, g_a), (params.f_b, params.g_b))
     shape = lambda a: a.reshape(b_, t, a.shape[-1])  # noqa: E731
@@ -225,7 +352,7 @@ def prefill(
     )
     out = st.proj(y.reshape(b_ * t, cfg.qkv_dim), params.o_proj).reshape(b_, t, cfg.hidden)
     new_state = KdaState(recurrent=rec, conv=conv_state)
+    stages = None
     if return_stages:
         stages = dict(qkv_proj=qkv, q=q, k=k, v=v, g_raw=f, out_gate=z, o_norm_out=y, final_out=out)
-        return out, new_state, stages
-    return out, new_state
+    return out, new_state, stages

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from kda_jax.config import KdaConfig
@@ -31,9 +34,8 @@ class KdaState:
 
     @classmethod
     def zeros(cls, cfg: KdaConfig, batch: int) -> KdaState:
-        """A fresh state for `batch` sequences."""
-        if not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"batch={batch!r} must be a positive int")
+        """A fresh state for `batch` sequences (0 gives an empty batch)."""
+        batch = as_count(batch, "batch")
         return cls(
             recurrent=jnp.zeros(cfg.recurrent_state_shape(batch), jnp.float32),
             conv=jnp.zeros(cfg.conv_state_shape(batch), jnp.float32),
@@ -51,20 +53,77 @@ class KdaState:
                 raise ValueError(f"state.{name} has dtype {arr.dtype}, expected float32")
 
 
-def select_snapshot(snapshots: KdaState, index: jax.Array) -> KdaState:
+def as_count(value, name: str) -> int:
+    """`value` as a non-negative Python int; integer-like numpy scalars are accepted."""
+    if isinstance(value, bool | float | np.floating):
+        raise TypeError(f"{name}={value!r} must be an int, got {type(value).__name__}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}={value!r} must be an int, got {type(value).__name__}") from None
+    if value < 0:
+        raise ValueError(f"{name}={value} must be >= 0")
+    return value
+
+
+def select_snapshot(
+    snapshots: KdaState, index: jax.Array, before: KdaState | None = None
+) -> KdaState:
     """Picks, per sequence, the state after row `index[b]` of a `decode_k` call.
 
-    A verify that accepts `a[b]` of its k tokens resumes from `select_snapshot(snaps, a - 1)`
-    (a[b] >= 1; a row that accepts none keeps the state it had before the call).
+    A verify that accepts `a[b]` of its k tokens resumes from
+    `select_snapshot(snaps, a - 1, before=state)`, where `state` is what `decode_k` was given:
+    index -1 (no token accepted) selects that row of `before`.
 
     Args:
-      snapshots: KdaState whose leaves are [B, k, ...].
-      index: [B] int, row index in [0, k).
+      snapshots: KdaState whose leaves are [B, k, ...] (`decode_k`'s third output).
+      index: [B] integer array, each in [0, k), or in [-1, k) when `before` is given.
+      before: the KdaState [B, ...] passed to `decode_k`; optional.
+    Returns:
+      KdaState [B, ...].
+    Raises:
+      TypeError / ValueError before any work when `index` is not an integer array of shape [B],
+      or (for concrete values) when an index is out of range. Under `jit`, where values cannot be
+      checked, a row with an out-of-range index gets an all-NaN state, never another row's.
     """
-    index = jnp.asarray(index, jnp.int32)
+    bsz, k = snapshots.recurrent.shape[:2]
+    index = jnp.asarray(index)
+    if not jnp.issubdtype(index.dtype, jnp.integer):
+        raise TypeError(f"select_snapshot: index has dtype {index.dtype}, expected integers")
+    if index.shape != (bsz,):
+        raise ValueError(f"select_snapshot: index has shape {index.shape}, expected ({bsz},)")
+    lo = 0 if before is None else -1
+    if before is not None:
+        want = (bsz, *snapshots.recurrent.shape[2:]), (bsz, *snapshots.conv.shape[2:])
+        got = tuple(before.recurrent.shape), tuple(before.conv.shape)
+        if got != want:
+            raise ValueError(f"select_snapshot: before has shapes {got}, expected {want}")
+    try:
+        vals = np.asarray(index)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        vals = None  # traced: checked by value below
+    if vals is not None:
+        out = (vals < lo) | (vals >= k)
+        if out.any():
+            hint = (
+                "" if before is not None else " (pass before= to select the pre-call state at -1)"
+            )
+            raise ValueError(
+                f"select_snapshot: index {vals.tolist()} has values {vals[out].tolist()} outside "
+                f"[{lo}, {k}){hint}"
+            )
+    index = index.astype(jnp.int32)
+    bad = (index < lo) | (index >= k)
 
-    def take(leaf):
-        idx = index.reshape((-1,) + (1,) * (leaf.ndim - 1))
-        return jnp.take_along_axis(leaf, idx, axis=1)[:, 0]
+    def take(snap, prev):
+        idx = jnp.clip(index, 0, k - 1).reshape((-1,) + (1,) * (snap.ndim - 1))
+        out = jnp.take_along_axis(snap, idx, axis=1)[:, 0]
+        row = lambda m: m.reshape((-1,) + (1,) * (out.ndim - 1))  # noqa: E731
+        if prev is not None:
+            out = jnp.where(row(index == -1), prev, out)
+        return jnp.where(row(bad), jnp.nan, out)
 
-    return jax.tree.map(take, snapshots)
+    prev = (None, None) if before is None else (before.recurrent, before.conv)
+    return KdaState(
+        recurrent=take(snapshots.recurrent, prev[0]), conv=take(snapshots.conv, prev[1])
+    )

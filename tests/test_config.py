@@ -74,8 +74,8 @@ def test_state_zeros_layout_and_checks():
     assert s.recurrent.shape == (3, 2, 32, 32) and s.recurrent.dtype == jnp.float32
     assert s.conv.shape == (3, 3, 192) and s.conv.dtype == jnp.float32
     assert len(jax.tree.leaves(s)) == 2  # a pytree
-    with pytest.raises(ValueError, match="batch=0"):
-        K.KdaState.zeros(cfg, 0)
+    with pytest.raises(ValueError, match="batch=-1 must be >= 0"):
+        K.KdaState.zeros(cfg, -1)
     with pytest.raises(ValueError, match=r"state.recurrent has shape \(3, 2, 32, 32\), expected"):
         s.check(cfg, 2)
     bad = s.replace(conv=s.conv.astype(jnp.bfloat16))
