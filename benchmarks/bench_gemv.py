@@ -190,7 +190,7 @@ def main_cases(args, device, target_s, reps):
 
 def _candidates(name: str, m: int, deep: bool = False):
     """(block_n, block_d, warps, stages, split) candidates for a weight at M rows; `deep`: the
-    deeper pipelines and 512-column slices of session 9 (more weight bytes in flight per
+    deeper pipelines and 512-column slices of the deep sweep (more weight bytes in flight per
     program: o_proj at M = 1 unsplit or split 2-4, which the first sweep only took to 4
     stages; w_in with 64-row tiles)."""
     if deep:

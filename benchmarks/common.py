@@ -145,7 +145,7 @@ def cuda_graph_us(call, reps: int, calls: int = 20) -> float:
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls of JAX's runtime threads in this process neither invalidate
         # the capture nor fail (under the default global mode a failed FLA capture left JAX's
-        # stream in an error state and every later case of the job failed, 2026-12-01).
+        # stream in an error state and every later case of the run failed, 2026-12-01).
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             for _ in range(calls):
                 call()
