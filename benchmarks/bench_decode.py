@@ -11,24 +11,25 @@ Cases:
 - `decode`: `kda_jax.forward.decode` at B = 1, 8, 64, backends pallas and xla. Floor: the
   weights read once plus the state read and written, at 4.3 TB/s. Baseline: xla at the same B.
 - `decode_k`: k = 2, 4, 8 at B = 1 (pallas). Floor: weights once, the state read once and
-  written k times (the snapshots). Baseline: one pallas `decode` step (the issue's ratio).
+  written k times (the snapshots). Baseline: one pallas `decode` step.
 - `conv_decode`: the conv + SiLU + L2 stage alone at B = 1, 64 (pallas and xla), so the whole
   step can be split into its stages (the projections: bench_gemv.py; the core: below).
 - `decode_core`: L2 of raw q, k + gate + beta + recurrence + read-out, FLA's work (no RMSNorm:
   `_decode_core(norm=False)`; the loop carries the state and the read-out o, so neither can be
-  dropped as unused), on bf16 inputs at B = 1, 8, 64, H = 32, K = V = 128, for several V tiles
-  of the recurrent kernel (the first pallas record is the default tiling), and for the xla
-  reference. Floor: the state read and written, q, k, v, f, beta read and o written in bf16
-  (FLA's traffic; ours writes o in fp32). Baseline: FLA 0.6.0
-  `fused_recurrent_kda` called as in SPEC §9 (CUDA-graph replay of 20 calls, median), in this
-  process; null with a printed reason when fla cannot import. (fla 0.6.0's public wrapper
-  swallows `inplace_final_state=True` in **kwargs and allocates the final state, as when the
-  reference figures were taken.)
+  dropped as unused), on bf16 inputs at B = 1, 8, 64, H = 32, K = V = 128, at the recurrent
+  kernel's default V tile (`--tiles`: the other V tiles too), and for the xla reference.
+  Floor: the state read and written, q, k, v, f, beta read and o written in bf16 (FLA's
+  traffic; ours writes o in fp32). Baseline: FLA 0.6.0 `fused_recurrent_kda` called as in
+  SPEC §9 (CUDA-graph replay of 20 calls, median), in this process; null with a printed reason
+  when fla cannot import. (fla 0.6.0's public wrapper swallows `inplace_final_state=True` in
+  **kwargs and allocates the final state, as when the reference figures were taken.)
 
 Each record: bench, shape, backend, time_us (null + error when the case failed), floor_us,
 fraction (= floor_us / time_us), baseline ({name, time_us} or null), date, commit, device, command.
 
-Usage: python benchmarks/bench_decode.py --out PATH [--quick]
+Usage: python benchmarks/bench_decode.py [--quick] [--tiles] [--out PATH]
+The records are merged into benchmarks/results/<bench>.json (a newer record replaces the one of
+the same bench, shape and backend); --out PATH writes this run's records to PATH instead.
 """
 
 from __future__ import annotations
@@ -213,9 +214,9 @@ def core_kwargs(cfg) -> dict:
     )
 
 
-def bench_core(cfg, batches, n, reps, records, meta, tiles=None):
-    """Decode core against FLA at each B: the default V tile, then the other tiles (all of
-    V, V/2, V/4, V/8, or `tiles`)."""
+def bench_core(cfg, batches, n, reps, records, meta, tiles=()):
+    """Decode core against FLA at each B: the default V tile, then the other `tiles` (V tile
+    widths; None: all of V, V/2, V/4, V/8)."""
     h, kd = cfg.heads, cfg.head_dim
     kw = core_kwargs(cfg)
 
@@ -234,7 +235,7 @@ def bench_core(cfg, batches, n, reps, records, meta, tiles=None):
         default = RecurrentBlockSizes.default_for(b, h, kd, kd)
         variants = [(f"pallas[block_v={default.block_v}]", default)] + [
             (f"pallas[block_v={bv}]", RecurrentBlockSizes.with_block_v(kd, bv))
-            for bv in (tiles or (kd, kd // 2, kd // 4, kd // 8))
+            for bv in ((kd, kd // 2, kd // 4, kd // 8) if tiles is None else tiles)
             if bv != default.block_v
         ]
         for name, block in variants:
@@ -286,9 +287,9 @@ def _xla_core_step(acts, params, kw, l2_eps, carry):
     return new_state, o.reshape(carry[1].shape)
 
 
-def bench_conv(cfg, params, batches, n, reps, records, meta):
+def bench_conv(cfg, params, batches, n, reps, records, meta, tiles=False):
     """conv_decode alone: the conv state is the carry (read and written each step); pallas at
-    the default tiling and a few others (block_heads x num_warps), and xla."""
+    the default tiling (with `tiles`, a few others: block_heads x num_warps), and xla."""
     from pallas_kernels.conv import ConvBlockSizes, conv_decode
 
     kw = dict(qk_channels=cfg.qk_channels, head_dim=cfg.head_dim, l2_eps=cfg.l2_eps)
@@ -308,7 +309,7 @@ def bench_conv(cfg, params, batches, n, reps, records, meta):
                 ),
             )
             for hb, nw in ((1, 1), (1, 4), (2, 4), (4, 4), (8, 8))
-            if (hb, nw) != (default.block_heads, default.num_warps)
+            if tiles and (hb, nw) != (default.block_heads, default.num_warps)
         ]
         for backend, fn in [*variants, ("xla", ref.conv_decode_reference)]:
 
@@ -322,9 +323,16 @@ def bench_conv(cfg, params, batches, n, reps, records, meta):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="JSON file for the list of records")
     parser.add_argument(
-        "--quick", action="store_true", help="fewer repetitions and core V tiles (32, 64)"
+        "--out", help="write this run's records here (default: merge into benchmarks/results/)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer repetitions (with --tiles: V tiles 32, 64)"
+    )
+    parser.add_argument(
+        "--tiles",
+        action="store_true",
+        help="also time the non-default tilings of the decode core and conv_decode (tuning)",
     )
     args = parser.parse_args()
     cfg = preset("kimi-linear-48b")
@@ -335,9 +343,10 @@ def main():
     # 64 steps per loop even when quick: with 16, the B = 1 core's T(3n) - T(n) was noisier
     # than the step itself (2026-12-01, the records' note).
     records = common.Records(args.out)
-    bench_core(cfg, batches, 64, reps, records, meta, tiles=(32, 64) if args.quick else None)
+    tiles = ((32, 64) if args.quick else None) if args.tiles else ()
+    bench_core(cfg, batches, 64, reps, records, meta, tiles=tiles)
     bench_block(cfg, params, batches, 64, reps, records, meta)
-    bench_conv(cfg, params, batches, 64, reps, records, meta)
+    bench_conv(cfg, params, batches, 64, reps, records, meta, tiles=args.tiles)
     print(
         f"\n{'bench':<12}{'shape':<34}{'backend':<22}{'time_us':>9}{'floor_us':>9}"
         f"{'x_floor':>8}  baseline"
@@ -352,7 +361,7 @@ def main():
             f"{r['bench']:<12}{r['shape']:<34}{r['backend']:<22}{t_s:>9}"
             f"{r['floor_us']:>9.1f}{x_floor:>8}  {base_s}"
         )
-    print(f"wrote {len(records)} records to {args.out}")
+    print(f"wrote {len(records)} records to {records.where()}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ that share and is reported beside the figures, never subtracted from them. The X
 `reference.gemv_reference`, the `xla` backend's projection (cuBLAS / XLA's GEMV emitter).
 
 Usage (on the GPU):
-  python benchmarks/bench_gemv.py --out results.json [--quick]
+  python benchmarks/bench_gemv.py [--quick] [--out PATH]  # merged into benchmarks/results/gemv.json
   python benchmarks/bench_gemv.py --sweep --out sweep.json   # block sizes on w_in, o_proj
   python benchmarks/bench_gemv.py --sweep --sweep-rows 64 --out sweep64.json  # ... at M = 64
   python benchmarks/bench_gemv.py --sweep --deep --sweep-rows 1,8 --out deep.json  # deeper
@@ -42,6 +42,9 @@ import jax.numpy as jnp
 from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
 
 from pallas_kernels import gemv as G  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
@@ -122,7 +125,7 @@ def _record(args, device, bench, shape, backend, t, floor, baseline, **extra):
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         commit=args.commit,
         device=device,
-        command=" ".join(sys.argv),
+        command=common.command(),
         **extra,
     )
 
@@ -187,7 +190,7 @@ def main_cases(args, device, target_s, reps):
 
 def _candidates(name: str, m: int, deep: bool = False):
     """(block_n, block_d, warps, stages, split) candidates for a weight at M rows; `deep`: the
-    deeper pipelines and 512-column slices of session 9 (more weight bytes in flight per
+    deeper pipelines and 512-column slices of the deep sweep (more weight bytes in flight per
     program: o_proj at M = 1 unsplit or split 2-4, which the first sweep only took to 4
     stages; w_in with 64-row tiles)."""
     if deep:
@@ -257,7 +260,12 @@ def sweep_cases(args, device, target_s, reps):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="write the JSON list of records here")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="write the JSON list of records here (default: merge the main cases into "
+        "benchmarks/results/gemv.json; a sweep is saved only with --out)",
+    )
     parser.add_argument("--quick", action="store_true", help="M = 1, 8 and 64 only, shorter loops")
     parser.add_argument("--sweep", action="store_true", help="time block-size candidates instead")
     parser.add_argument(
@@ -287,6 +295,9 @@ def main():
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(records, indent=1))
         print(f"wrote {len(records)} records to {args.out}")
+    elif not args.sweep:
+        for path in common.merge_results(records):
+            print(f"merged {len(records)} records into {path.relative_to(common.ROOT)}")
 
 
 if __name__ == "__main__":

@@ -30,9 +30,12 @@ Stage times and block-size sweeps of chunk_prepare / chunk_scan: benchmarks/stag
 JAX timing: one jitted `fori_loop` of n dependent calls (the final state is the carry and sets
 `lengths`, so nothing is loop-invariant), median over repetitions, divided by n.
 
-Usage: python benchmarks/bench_prefill.py --out PATH [--quick] [--core-only | --block-only]
+Usage: python benchmarks/bench_prefill.py [--quick] [--core-only | --block-only] [--out PATH]
                                           [--chunks 64,32] [--gates bounded,unbounded]
                                           [--shapes 1x8192,4x4096]
+The records are merged into benchmarks/results/prefill_core.json and prefill_block.json (a
+newer record replaces the one of the same bench, shape and backend); --out PATH writes this
+run's records to PATH instead.
 """
 
 from __future__ import annotations
@@ -243,7 +246,9 @@ def bench_block(cfg, params, ts, xla_max_t, n, reps, records, meta):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="JSON file for the list of records")
+    parser.add_argument(
+        "--out", help="write this run's records here (default: merge into benchmarks/results/)"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--core-only", action="store_true", help="skip the whole-block cases")
@@ -290,7 +295,7 @@ def main():
             f"{r['bench']:<14}{r['shape']:<44}{r['backend']:<44}{t_s:>9}"
             f"{r['floor_us']:>9.1f}  {base_s}"
         )
-    print(f"wrote {len(records)} records to {args.out}")
+    print(f"wrote {len(records)} records to {records.where()}")
 
 
 if __name__ == "__main__":

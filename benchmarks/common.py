@@ -1,4 +1,5 @@
-"""Shared by the benchmark scripts: run metadata and a record list that is saved as it grows."""
+"""Shared by the benchmark scripts: run metadata, and the record writer that keeps
+`benchmarks/results/<bench>.json` at the newest figure of every (bench, shape, backend)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,29 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def command() -> str:
+    """This run's command line with repo-relative paths (machine paths reduced to a file name)."""
+
+    def rel(arg: str) -> str:
+        key, eq, value = arg.rpartition("=") if arg.startswith("--") else ("", "", arg)
+        if not os.path.isabs(value):
+            return arg
+        path = Path(value).resolve()
+        try:
+            value = path.relative_to(ROOT).as_posix()
+        except ValueError:
+            value = path.name
+        return f"{key}{eq}{value}"
+
+    return " ".join(["python", *(rel(a) for a in sys.argv)])
 
 
 def meta() -> dict:
@@ -21,7 +43,7 @@ def meta() -> dict:
                 capture_output=True,
                 text=True,
                 check=True,
-                cwd=os.path.dirname(os.path.abspath(__file__)),
+                cwd=ROOT,
             ).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             commit = None
@@ -29,8 +51,35 @@ def meta() -> dict:
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         commit=commit,
         device=jax.devices()[0].device_kind,
-        command=" ".join([os.path.basename(sys.executable), *sys.argv]),
+        command=command(),
     )
+
+
+def record_key(rec: dict) -> tuple[str, str, str]:
+    """What a newer record replaces: the same bench, shape and backend."""
+    return rec["bench"], str(rec["shape"]), rec["backend"]
+
+
+def merge_results(records: list[dict], results_dir: str | os.PathLike = RESULTS) -> list[Path]:
+    """Writes each record into `results_dir/<bench>.json` (a JSON list), replacing a record of
+    the same bench, shape and backend and keeping the others. A failed record (time_us null)
+    replaces nothing: it is skipped with a line on stderr. Returns the files written."""
+    written = []
+    for bench in dict.fromkeys(r["bench"] for r in records):
+        new = [r for r in records if r["bench"] == bench and r.get("time_us") is not None]
+        for r in records:
+            if r["bench"] == bench and r.get("time_us") is None:
+                print(f"not saved (failed): {' '.join(record_key(r))}", file=sys.stderr)
+        if not new:
+            continue
+        path = Path(results_dir) / f"{bench}.json"
+        old = json.loads(path.read_text()) if path.exists() else []
+        keys = {record_key(r) for r in new}
+        kept = [r for r in old if record_key(r) not in keys]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(kept + new, indent=1) + "\n")
+        written.append(path)
+    return written
 
 
 # How SPEC §9 called FLA 0.6.0 (L2, gate and beta in its kernels, initial and final state).
@@ -43,18 +92,24 @@ FLA_OPTIONS = dict(
 
 
 class Records(list):
-    """A list of result records that rewrites its JSON file and prints a line on every append,
-    so a run cut short by a time limit still leaves every finished case on disk."""
+    """A list of result records that is saved and printed on every append, so a run cut short
+    by a time limit still leaves every finished case on disk.
 
-    def __init__(self, path: str):
+    out: None merges each record into `benchmarks/results/<bench>.json` (`merge_results`);
+    a path rewrites that file with this run's list instead."""
+
+    def __init__(self, out: str | os.PathLike | None = None):
         super().__init__()
-        self.path = path
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = None if out is None else Path(out)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def append(self, rec: dict) -> None:
         super().append(rec)
-        with open(self.path, "w") as fh:
-            json.dump(list(self), fh, indent=1)
+        if self.path is None:
+            merge_results([rec])
+        else:
+            self.path.write_text(json.dumps(list(self), indent=1))
         t, base = rec.get("time_us"), rec.get("baseline")
         base_s = "" if not base else f"  | {base['name']}: {base['time_us']} us"
         print(
@@ -62,6 +117,13 @@ class Records(list):
             f"{'FAILED' if t is None else f'{t:.1f} us':>12}  floor {rec['floor_us']}{base_s}",
             flush=True,
         )
+
+    def where(self) -> str:
+        """Where the records went, for the run's last line."""
+        if self.path is not None:
+            return str(self.path)
+        benches = dict.fromkeys(r["bench"] for r in self)
+        return ", ".join(f"benchmarks/results/{b}.json" for b in benches)
 
 
 def cuda_graph_us(call, reps: int, calls: int = 20) -> float:
@@ -83,7 +145,7 @@ def cuda_graph_us(call, reps: int, calls: int = 20) -> float:
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls of JAX's runtime threads in this process neither invalidate
         # the capture nor fail (under the default global mode a failed FLA capture left JAX's
-        # stream in an error state and every later case of the job failed, 2026-12-01).
+        # stream in an error state and every later case of the run failed, 2026-12-01).
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             for _ in range(calls):
                 call()
@@ -128,7 +190,8 @@ def torch_kernels(call, calls: int = 10) -> list[tuple[str, float, float]]:
 def time_loop(step, carry, n: int, reps: int, unroll: int | bool = 1, differential=False) -> float:
     """Median us per step of `carry = step(carry)` run n times in one jitted `fori_loop` (carry
     donated), after a compile and a warm-up call. `unroll=True` writes the n steps out as
-    straight-line code (on the H200 that measured slower than the rolled loop: NOTES.md).
+    straight-line code (on the H200 that measured slower than the rolled loop:
+    docs/performance.md).
 
     differential: also time a loop of 3n steps and return (T(3n) - T(n)) / 2n, which cancels
     what every call costs once (dispatch, donation, the final sync: ~0.2-0.4 ms on the H200,

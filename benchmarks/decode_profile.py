@@ -9,13 +9,15 @@ from the first kernel's start to the last one's end per step ("span"), and the l
 per step measured without the profiler, differentially as bench_decode.py does ("wall").
 span - busy is the gaps between kernels; wall - span what the host adds per step.
 
-    python benchmarks/decode_profile.py --out PATH [--n 20] [--cases decode:1,core:8,...]
+    python benchmarks/decode_profile.py [--out PATH] [--n 20] [--cases decode:1,core:8,...]
 
 The `core:B` cases put the decode core's device time per step beside the device time per call
 of FLA's `fused_recurrent_kda` kernels on inputs of the same shapes (both from CUPTI): the
 like-for-like comparison at small B, where bench_decode's wall-clock figures are too noisy.
 Their records also carry the results table's keys (bench `decode_core_device`, backend,
-time_us = busy per step, floor_us as bench_decode's decode core, baseline = FLA's busy per call);
+time_us = busy per step, floor_us as bench_decode's decode core, baseline = FLA's busy per call).
+Without --out those are merged into benchmarks/results/decode_core_device.json and the other
+cases are printed only; --out PATH writes every record of the run to PATH instead.
 `--reformat SAVED` adds those keys to the core records of a file saved before they existed and
 writes them to --out (nothing is re-measured).
 
@@ -132,7 +134,11 @@ def table_keys(rec: dict, cfg) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--out",
+        help="write every record here (default: the core records merged into "
+        "benchmarks/results/decode_core_device.json, the rest printed)",
+    )
     parser.add_argument("--n", type=int, default=20)
     parser.add_argument(
         "--cases",
@@ -147,6 +153,8 @@ def main():
     args = parser.parse_args()
     cfg = preset("kimi-linear-48b")
     if args.reformat:
+        if not args.out:
+            parser.error("--reformat needs --out")
         with open(args.reformat) as fh:
             saved = json.load(fh)
         out = [{**r, **table_keys(r, cfg)} for r in saved if r["bench"] == "core_profile"]
@@ -199,8 +207,11 @@ def main():
             rec = dict(bench=f"{what}_profile", shape=shape, error=f"{type(e).__name__}: {e}"[:400])
         rec.update(meta)
         out.append(rec)
-        with open(args.out, "w") as fh:
-            json.dump(out, fh, indent=1)
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(out, fh, indent=1)
+        elif rec["bench"] == "decode_core_device":
+            common.merge_results([rec])
         print(json.dumps({k: v for k, v in rec.items() if "kernels" not in k}), flush=True)
         for r in rec.get("kernels", []):
             print(f"   {r['per_step']:6.2f} x {r['mean_us']:8.2f} us  {r['name']}", flush=True)

@@ -1,5 +1,5 @@
 """Stage times of the chunked prefill at H=32 (B=1, T=8192 by default), both gates, for tuning:
-the whole core (chunk_kda) against FLA 0.6.0 chunk_kda in the same job, chunk_prepare and
+the whole core (chunk_kda) against FLA 0.6.0 chunk_kda in the same process, chunk_prepare and
 chunk_scan alone over the block sizes given, with --fla FLA's kernels one by one and with
 --kernels ours (torch.profiler: CUPTI lists XLA's kernels too).
 

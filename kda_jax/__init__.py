@@ -5,6 +5,8 @@ Flax NNX module: `KimiDeltaAttention`; checkpoints: `load_hf_layer`; fp32 oracle
 `oracle_forward`.
 """
 
+__version__ = "0.1.0"  # as pyproject.toml's [project] version
+
 from kda_jax.config import PRESETS, KdaConfig, preset
 from kda_jax.forward import decode, decode_k, prefill
 from kda_jax.hf import load_hf_layer, load_hf_params, save_hf_checkpoint
@@ -14,6 +16,7 @@ from kda_jax.params import KdaParams, init_params
 from kda_jax.state import KdaState, select_snapshot
 
 __all__ = [
+    "__version__",
     "KdaConfig",
     "PRESETS",
     "preset",

@@ -491,11 +491,11 @@ PERFORMANCE = [
         """
 # 03 · Performance: what the benchmarks measured
 
-Reads every `benchmarks/results/*.json` (written by `benchmarks/bench_*.py --out ...` on a GPU)
-and plots, per case, our time beside the bandwidth floor and the baseline (XLA or
-flash-linear-attention, measured in the same job). Figures from different machines or days are
-not comparable; each plot says where and when its numbers were taken. With no results yet, the
-notebook says so and stops there.
+Reads `benchmarks/results/<bench>.json` (the newest record of each case, written by the
+`benchmarks/bench_*.py` scripts on a GPU) and plots, per case, our time beside the bandwidth
+floor and the peer (XLA or flash-linear-attention, timed in the same process). Figures from
+different machines or days are not comparable; each plot says where and when its numbers were
+taken. With no results yet, the notebook says so and stops there.
 """
     ),
     code(
@@ -526,7 +526,7 @@ if records:
     display(Markdown(mrt.markdown_table(records)))
 """
     ),
-    md("## Every case: time, floor and baseline"),
+    md("## The block and the cores against their peers: time, floor and peer"),
     code(
         """
 if records:

@@ -1,16 +1,18 @@
-"""Turns benchmark records (benchmarks/results/*.json) into a markdown table and a PNG chart.
+"""Renders the benchmark records (benchmarks/results/<bench>.json) as the README's results table,
+the chart docs/results.png, and the stage table of docs/performance.md.
 
-    .venv/bin/python scripts/make_results_table.py [--results DIR] [--table PATH|-] [--chart PATH]
-                                                   [--readme]
+    .venv/bin/python scripts/make_results_table.py           # both tables + the chart
+    .venv/bin/python scripts/make_results_table.py --print   # the tables on stdout, nothing written
+    .venv/bin/python scripts/make_results_table.py --check   # exit 1 if a table is stale
 
-Each JSON file holds one record or a list of records with the keys
-`bench, shape, backend, time_us, floor_us, baseline ({name, time_us} or null), date, commit,
-device, command` (and optionally `note`, listed under the table). The table (default
-benchmarks/results/README.md; `-` prints it) has one row per record; the chart (default
-docs/results.png) draws, per case, our time beside the bandwidth floor and the baseline,
-labelled with device and date. With no records, the table says
-so and no chart is drawn (an old chart is left untouched). `--readme` also replaces the text
-between `<!-- results:begin -->` and `<!-- results:end -->` in README.md with the table and chart.
+Each file is a JSON list of records with the keys `bench, shape, backend, time_us, floor_us,
+baseline ({name, time_us} or null), date, commit, device, command` (and optionally `note`,
+`tokens_per_s`); the bench scripts keep the newest record of every (bench, shape, backend)
+there (`benchmarks/common.py`). A table has one row per record, except a record whose figure
+already shows as another row's peer (e.g. the xla backend beside the pallas one). The README
+gets the block and the cores against their peers (`HEADLINE`) and the chart; docs/performance.md
+gets every other bench (the stages alone). In each file the text between
+`<!-- results:begin -->` and `<!-- results:end -->` is replaced.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -36,24 +39,50 @@ REQUIRED = (
     "device",
     "command",
 )
+# Table order: the block, then its stages; benches not named here follow alphabetically.
+BENCH_ORDER = (
+    "prefill_core",
+    "prefill_block",
+    "decode",
+    "decode_k",
+    "decode_core",
+    "decode_core_device",
+    "conv_decode",
+    "gemv",
+)
+
+# The README's benches; the others go to docs/performance.md.
+HEADLINE = ("prefill_core", "prefill_block", "decode", "decode_k", "decode_core_device")
 
 __all__ = [
     "load_records",
+    "table_rows",
     "markdown_table",
     "plot_records",
     "case_label",
     "shape_str",
+    "readme_section",
     "update_readme",
     "main",
 ]
 
 
-def load_records(results_dir: str | os.PathLike) -> list[dict]:
-    """Every record of every *.json file in `results_dir`, sorted by bench, shape, backend.
+def _natural(text: str) -> list:
+    """Sort key that puts B=8 before B=64."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
 
-    A file that is not JSON, or an entry that lacks a required key (e.g. a block-size sweep
-    saved beside the results), is skipped with a warning on stderr naming the file and the
-    missing keys. A record whose `time_us` is null (a failed case) is kept: the table shows it.
+
+def _order(rec: dict) -> tuple:
+    bench = rec["bench"]
+    rank = BENCH_ORDER.index(bench) if bench in BENCH_ORDER else len(BENCH_ORDER)
+    return rank, bench, _natural(shape_str(rec["shape"])), rec["backend"]
+
+
+def load_records(results_dir: str | os.PathLike) -> list[dict]:
+    """Every record of every *.json file in `results_dir`, in table order.
+
+    A file that is not JSON, or an entry that lacks a required key, is skipped with a warning on
+    stderr naming the file and the missing keys.
     """
     records = []
     for path in sorted(glob.glob(os.path.join(os.fspath(results_dir), "*.json"))):
@@ -73,7 +102,7 @@ def load_records(results_dir: str | os.PathLike) -> list[dict]:
                 )
                 continue
             records.append(dict(rec, _file=os.path.basename(path)))
-    return sorted(records, key=lambda r: (r["bench"], shape_str(r["shape"]), r["backend"]))
+    return sorted(records, key=_order)
 
 
 def shape_str(shape) -> str:
@@ -89,53 +118,73 @@ def case_label(rec: dict) -> str:
     return f"{rec['bench']} [{shape_str(rec['shape'])}] {rec['backend']}"
 
 
+def _peer_us(rec: dict) -> float | None:
+    return (rec.get("baseline") or {}).get("time_us")
+
+
+def table_rows(records: list[dict]) -> list[dict]:
+    """The records with a figure, less those whose figure is another row's peer (same bench and
+    shape, the other record's baseline time equal to this record's time)."""
+    rows = [r for r in records if r["time_us"] is not None]
+    peers = {(r["bench"], shape_str(r["shape"]), _peer_us(r)) for r in rows if _peer_us(r)}
+    return [r for r in rows if (r["bench"], shape_str(r["shape"]), r["time_us"]) not in peers]
+
+
 def _us(x) -> str:
     return "-" if x is None else f"{x:,.1f}"
 
 
+def _ratio(num, den) -> str:
+    return "-" if not (num and den) else f"{num / den:.2f}×"
+
+
 def markdown_table(records: list[dict]) -> str:
-    """A markdown table of the records, with floor and baseline ratios; a note when empty."""
-    if not records:
+    """The results table of `table_rows(records)`, its notes below it; a line when empty."""
+    rows = table_rows(records)
+    if not rows:
         return (
-            "No benchmark results yet: run `benchmarks/bench_*.py --out benchmarks/results/"
-            "<name>.json` on a GPU, then `scripts/make_results_table.py`.\n"
+            "No benchmark results yet: run `benchmarks/bench_*.py` on a GPU, then "
+            "`scripts/make_results_table.py`.\n"
         )
-    lines = [
-        "| bench | shape | backend | time (µs) | floor (µs) | time / floor | baseline | "
-        "baseline (µs) | speed-up vs baseline | device | date | commit |",
-        "|---|---|---|---:|---:|---:|---|---:|---:|---|---|---|",
-    ]
-    notes: list[str] = []  # a record's optional "note" (e.g. why a figure is unreliable)
-    for r in records:
-        t, floor, base = r["time_us"], r["floor_us"], r["baseline"]
-        ratio = "-" if not (floor and t) else f"{t / floor:.2f}"
-        b_name = base["name"] if base else "-"
-        b_time = base.get("time_us") if base else None
-        speedup = "-" if not (b_time and t) else f"{b_time / t:.2f}×"
-        ours = _us(t) if t is not None else f"failed: {str(r.get('error', '?'))[:60]}"
+    tokens = any("tokens_per_s" in r for r in rows)
+    head = ["bench", "shape", "backend", "ours (µs)", "peer", "peer (µs)", "ours / peer"]
+    head += ["ours / floor"] + (["tokens/s"] if tokens else []) + ["date", "commit"]
+    align = ["---"] * 3 + ["---:", "---", "---:", "---:", "---:"] + (["---:"] if tokens else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align + ["---", "---"]) + "|"]
+    notes: list[str] = []
+    for r in rows:
+        t, base = r["time_us"], r["baseline"] or {}
+        ours = _us(t)
         if r.get("note"):
             if r["note"] not in notes:
                 notes.append(r["note"])
-            ours += f" (note {notes.index(r['note']) + 1})"
-        lines.append(
-            f"| {r['bench']} | {shape_str(r['shape'])} | {r['backend']} | {ours} | "
-            f"{_us(floor)} | {ratio} | {b_name} | {_us(b_time)} | {speedup} | {r['device']} | "
-            f"{r['date']} | {str(r['commit'])[:10]} |"
-        )
-    if notes:
-        lines += ["", "Notes:", *[f"{i + 1}. {n}" for i, n in enumerate(notes)]]
-    commands = sorted({r["command"] for r in records})
-    lines += ["", "Commands:", *[f"- `{c}`" for c in commands], ""]
-    return "\n".join(lines)
+            ours += f" ({notes.index(r['note']) + 1})"
+        cells = [r["bench"], shape_str(r["shape"]), r["backend"], ours]
+        cells += [base.get("name", "-"), _us(base.get("time_us"))]
+        cells += [_ratio(t, base.get("time_us")), _ratio(t, r["floor_us"])]
+        if tokens:
+            tps = r.get("tokens_per_s")
+            cells.append("-" if tps is None else f"{tps / 1e6:.2f}M")
+        cells += [str(r["date"])[:10], str(r["commit"])[:7]]
+        lines.append("| " + " | ".join(cells) + " |")
+    devices = ", ".join(sorted({r["device"] for r in rows}))
+    lines += [
+        "",
+        f"{devices}. Ours / peer below 1.00× is faster than the peer (timed in the same process); "
+        "ours / floor is the distance to the bandwidth (or FLOP) floor.",
+    ]
+    lines += [""] * bool(notes) + [f"- ({i + 1}) {n}" for i, n in enumerate(notes)]
+    return "\n".join(lines) + "\n"
 
 
 def plot_records(records: list[dict], path: str | os.PathLike | None = None):
-    """Horizontal bars per case: our time, the floor and the baseline (µs, log scale).
+    """Horizontal bars per table row: our time, the floor and the peer (µs, log scale).
 
-    Returns the matplotlib figure (None when there are no records); saves it when `path` is set.
+    Returns the matplotlib figure (None when there is nothing to draw); saves it when `path` is
+    set.
     """
-    records = [r for r in records if r["time_us"]]  # failed cases have no bar
-    if not records:
+    rows = table_rows(records)
+    if not rows:
         return None
     import matplotlib
 
@@ -143,93 +192,95 @@ def plot_records(records: list[dict], path: str | os.PathLike | None = None):
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [case_label(r) for r in records]
-    n = len(records)
-    fig, ax = plt.subplots(figsize=(10, 1.2 * n + 2.0))
-    y = range(n)
+    n = len(rows)
+    fig, ax = plt.subplots(figsize=(11, 0.42 * n + 1.6))
+    y = list(range(n))
     h = 0.27
-    ours = [r["time_us"] for r in records]
-    floors = [r["floor_us"] or 0 for r in records]
-    bases = [(r["baseline"] or {}).get("time_us") or 0 for r in records]
+    ours = [r["time_us"] for r in rows]
+    floors = [r["floor_us"] or 0 for r in rows]
+    peers = [_peer_us(r) or 0 for r in rows]
     ax.barh([i - h for i in y], ours, h, label="kda-jax", color="tab:blue")
-    ax.barh(list(y), floors, h, label="bandwidth floor", color="tab:gray")
-    ax.barh([i + h for i in y], bases, h, label="baseline", color="tab:orange")
-    for i, r in enumerate(records):
-        if r["baseline"]:
-            ax.text(bases[i], i + h, f" {r['baseline']['name']}", va="center", fontsize=7)
-    ax.set_yticks(list(y), labels, fontsize=8)
+    ax.barh(y, floors, h, label="floor", color="tab:gray")
+    ax.barh([i + h for i in y], peers, h, label="peer", color="tab:orange")
+    for i, r in enumerate(rows):
+        if peers[i]:
+            ax.text(peers[i], i + h, f" {r['baseline']['name']}", va="center", fontsize=6)
+        if floors[i]:
+            ax.text(ours[i], i - h, f" {ours[i] / floors[i]:.2f}× floor", va="center", fontsize=6)
+    labels = [f"{r['bench']} {r['backend']}\n{shape_str(r['shape'])}" for r in rows]
+    ax.set_yticks(y, labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xscale("log")
+    ax.set_xlim(right=max(ours + floors + peers) * 6)  # room for the labels
     ax.set_xlabel("time per call (µs, log scale)")
-    devices = sorted({r["device"] for r in records})
-    dates = sorted({str(r["date"]) for r in records})
-    ax.set_title(
-        f"{', '.join(devices)} | {dates[0]}" + (f" .. {dates[-1]}" if len(dates) > 1 else "")
-    )
-    top = max(ours + floors + bases)
-    ax.set_xlim(right=top * 4)  # room for the baseline names
-    for i, r in enumerate(records):
-        if r["floor_us"]:
-            ax.text(
-                ours[i], i - h, f" {ours[i] / r['floor_us']:.2f}× floor", va="center", fontsize=7
-            )
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3, fontsize=8)
+    dates = sorted({str(r["date"])[:10] for r in rows})
+    devices = ", ".join(sorted({r["device"] for r in rows}))
+    ax.set_title(f"{devices} | {dates[0]}" + (f" .. {dates[-1]}" if len(dates) > 1 else ""))
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.6 / (0.42 * n + 1.6)), ncol=3)
     fig.tight_layout()
     if path is not None:
         os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=110)
     return fig
 
 
-def update_readme(readme: str | os.PathLike, table: str, chart: str | None) -> None:
-    """Replaces the README's results section (between the markers) with `table` and the chart."""
+def readme_section(table: str, chart: str | None) -> str:
+    """The text that goes between the README's markers."""
+    body = "\n" + table.strip() + "\n"
+    if chart:
+        body += f"\n![benchmark results]({chart})\n"
+    return body
+
+
+def update_readme(readme: str | os.PathLike, section: str, check: bool = False) -> bool:
+    """Replaces the README's results section with `section`; returns whether it changed. With
+    `check` nothing is written."""
     path = Path(readme)
     text = path.read_text()
     start, end = text.find(README_BEGIN), text.find(README_END)
     if start < 0 or end < start:
         raise ValueError(f"{path} lacks the markers {README_BEGIN} ... {README_END}")
-    body = table.strip() + "\n"
-    if chart:
-        body += f"\n![benchmark results]({chart})\n"
-    text = text[: start + len(README_BEGIN)] + "\n" + body + text[end:]
-    path.write_text(text)
+    new = text[: start + len(README_BEGIN)] + section + text[end:]
+    if not check and new != text:
+        path.write_text(new)
+    return new != text
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--results", default=ROOT / "benchmarks" / "results", type=Path)
-    ap.add_argument(
-        "--table", default=None, help="markdown output (default DIR/README.md; - prints)"
-    )
     ap.add_argument("--chart", default=ROOT / "docs" / "results.png", type=Path)
-    ap.add_argument("--readme", action="store_true", help="also update README.md's results section")
+    ap.add_argument("--readme", default=ROOT / "README.md", type=Path)
+    ap.add_argument("--stages", default=ROOT / "docs" / "performance.md", type=Path)
+    what = ap.add_mutually_exclusive_group()
+    what.add_argument("--print", action="store_true", help="print the tables; write nothing")
+    what.add_argument("--check", action="store_true", help="exit 1 if a table is stale")
     args = ap.parse_args(argv)
 
     records = load_records(args.results)
-    table = markdown_table(records)
-    header = "# Benchmark results\n\nGenerated by `scripts/make_results_table.py`; do not edit.\n\n"
-    if args.table == "-":
-        print(table)
-    else:
-        out = Path(args.table) if args.table else args.results / "README.md"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(header + table)
-        print(f"wrote {out} ({len(records)} records)")
-    # The chart and the README summary leave out block-size sweeps (tuning data, kept in the
-    # full table above).
-    headline = [r for r in records if not r["bench"].endswith("_sweep")]
-    if headline:
-        plot_records(headline, args.chart)
-        print(f"wrote {args.chart}")
-    else:
-        print("no records: no chart drawn")
-    if args.readme:
+    headline = [r for r in records if r["bench"] in HEADLINE]
+    stages = [r for r in records if r["bench"] not in HEADLINE]
+    targets = [(args.readme, headline, True), (args.stages, stages, False)]
+    if args.print:
+        for path, recs, _ in targets:
+            print(f"{path.name}:\n{markdown_table(recs)}")
+        return 0
+    stale = []
+    for path, recs, with_chart in targets:
         chart = None
-        if headline:
-            chart = os.path.relpath(args.chart.resolve(), ROOT)
-        update_readme(ROOT / "README.md", markdown_table(headline), chart)
-        print("updated the results section of README.md")
-    return 0
+        if with_chart and table_rows(recs):
+            chart = os.path.relpath(args.chart.resolve(), path.resolve().parent)
+            if not args.check:
+                plot_records(recs, args.chart)
+                print(f"wrote {args.chart}")
+        changed = update_readme(path, readme_section(markdown_table(recs), chart), args.check)
+        rows = len(table_rows(recs))
+        if args.check:
+            print(f"{path.name}: {rows} rows, {'stale' if changed else 'current'}")
+            stale += [path] if changed else []
+        else:
+            print(f"{path.name}: {rows} rows, {'updated' if changed else 'unchanged'}")
+    return int(bool(stale))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Registers, spills and shared memory of the Triton kernels as ptxas builds them for an H200,
-on any machine (no GPU): the number that decided chunk_prepare's speed (benchmarks/NOTES.md).
+on any machine (no GPU): the number that decided chunk_prepare's speed (docs/performance.md).
 
     make setup EXTRAS=test,notebooks,ptxas
     .venv/bin/python scripts/ptxas_report.py [prepare-bounded prepare-unbounded scan ...]

@@ -3,6 +3,7 @@ only, so nothing else would notice a stale option before a GPU job does)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -62,3 +63,46 @@ def test_decode_profile_core_records_carry_the_table_keys():
     old = dict(rec, shape="B=8,block_v=32", fla_busy_us=None)
     keys = decode_profile.table_keys(old, cfg)
     assert keys["backend"] == "pallas[block_v=32]" and keys["baseline"] is None
+
+
+def _results_module():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import make_results_table
+
+    return make_results_table
+
+
+def test_results_records_are_current_and_relative():
+    """benchmarks/results/<bench>.json: one file per bench, one record per (shape, backend), every
+    key the table needs, a figure, and a command that names repo paths only."""
+    mrt = _results_module()
+    records = mrt.load_records(os.path.join(ROOT, "benchmarks", "results"))
+    assert records, "no benchmark records"
+    keys = set()
+    for r in records:
+        assert r["_file"] == f"{r['bench']}.json", r["_file"]
+        key = (r["bench"], mrt.shape_str(r["shape"]), r["backend"])
+        assert key not in keys, f"two records for {key}"
+        keys.add(key)
+        assert r["time_us"] is not None, key
+        assert r["command"].startswith("python benchmarks/"), r["command"]
+        for bad in ("/root", "/work", "/tmp", "$OUT", "wip/", "history/", ".patch"):
+            assert bad not in r["command"] + str(r.get("note", "")), (key, bad)
+
+
+def test_results_tables_match_the_records():
+    """The README's and docs/performance.md's tables are what make_results_table renders."""
+    mrt = _results_module()
+    assert mrt.main(["--check"]) == 0, "run: python scripts/make_results_table.py"
+
+
+def test_merge_results_replaces_the_same_case_only(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import common
+
+    a = dict(bench="b", shape="B=1", backend="pallas", time_us=2.0)
+    b = dict(bench="b", shape="B=8", backend="pallas", time_us=5.0)
+    common.merge_results([a, b], tmp_path)
+    common.merge_results([dict(a, time_us=1.5), dict(b, time_us=None)], tmp_path)
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert {r["shape"]: r["time_us"] for r in saved} == {"B=1": 1.5, "B=8": 5.0}
