@@ -23,8 +23,11 @@ Cases:
   (FLA has none). B=1 T=8192, B=4 T=4096, B=1 T=32768 at H=32, both gates. Baseline: FLA 0.6.0
   `chunk_kda` on the same input arrays (shared through DLPack), called as in SPEC §9, CUDA-graph
   replay of 20 calls, median; null with a printed reason when fla cannot import.
-- `prefill_block`: tokens/s of `forward.prefill` at B=1, T = 1024, 4096, 8192, 32768, backend
-  pallas (and xla up to T=8192). Baseline: xla at the same T.
+- `prefill_block`: `forward.prefill` (pallas, bf16 weights, kimi-linear-48b geometry) at
+  B=1 T=8192, B=4 T=4096, B=1 T=32768, B=16 T=1024, both gates, with tokens/s. Baseline: FLA
+  0.6.0's own layer `fla.layers.kda.KimiDeltaAttention` on the same geometry and gate in the same
+  process (SPEC §9), eager and replayed as a CUDA graph; the faster of the two is the baseline
+  and both are recorded.
 Stage times and block-size sweeps of chunk_prepare / chunk_scan: benchmarks/stage_profile.py.
 
 JAX timing: one jitted `fori_loop` of n dependent calls (the final state is the carry and sets
@@ -67,6 +70,7 @@ PEAK = 790e12  # FLOP/s, bf16 matmul (PALLAS.md)
 FLA_NAME = "fla-0.6.0 chunk_kda"
 LB = -5.0
 L2_EPS = 1e-6
+BLOCK_SHAPES = [(1, 8192), (4, 4096), (1, 32768), (16, 1024)]
 
 
 def chunk_flops(b, t, h, kd, vd, c=64):
@@ -208,40 +212,62 @@ def block_flops(cfg, t):
     return proj + chunk_flops(1, t, h, kd, kd, cfg.chunk)
 
 
-def bench_block(cfg, params, ts, xla_max_t, n, reps, records, meta):
-    times = {}
-    for backend in ("xla", "pallas"):
-        for t in ts:
-            if backend == "xla" and t > xla_max_t:
-                continue
-            key = jax.random.key(t)
-            k1, k2, k3 = jax.random.split(key, 3)
-            x = jax.random.normal(k1, (1, t, cfg.hidden), jnp.float32).astype(params.dtype)
-            state = KdaState(
-                recurrent=0.1 * jax.random.normal(k2, cfg.recurrent_state_shape(1), jnp.float32),
-                conv=jax.random.normal(k3, cfg.conv_state_shape(1), jnp.float32),
-            )
+def block_inputs(cfg, b, t, key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    x = jax.random.normal(k1, (b, t, cfg.hidden), jnp.float32).astype(jnp.bfloat16)
+    state = KdaState(
+        recurrent=0.1 * jax.random.normal(k2, cfg.recurrent_state_shape(b), jnp.float32),
+        conv=jax.random.normal(k3, cfg.conv_state_shape(b), jnp.float32),
+    )
+    return x, state
 
-            def step(carry, backend=backend):
-                y, st = forward.prefill(params, cfg, carry[0], carry[1], backend=backend)
+
+def bench_block(shapes, gates, n, reps, records, meta):
+    """The whole block (`forward.prefill`, pallas, bf16 weights) against FLA's own layer on the
+    same geometry and gate in this process, eager and as a CUDA graph; the faster is the
+    baseline."""
+    for gate in gates:
+        cfg = preset("kimi-linear-48b" + ("-bounded" if gate == "bounded" else ""))
+        params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
+        try:
+            layer = common.fla_layer(cfg, cfg.gate_lower_bound)
+        except Exception as e:  # noqa: BLE001 - the reason is printed and baseline is null
+            layer = None
+            print(f"[prefill_block {gate}] FLA layer unavailable: {e!r}", file=sys.stderr)
+        for b, t in shapes:
+            fla = None
+            if layer is not None:
+                try:
+                    fla = common.fla_layer_prefill_us(layer, b, t, reps=7)
+                except Exception as e:  # noqa: BLE001 - printed, baseline null
+                    print(f"[prefill_block B={b} T={t} {gate}] FLA failed: {e!r}", file=sys.stderr)
+            x, state = block_inputs(cfg, b, t, jax.random.key(b * t))
+
+            def step(carry, cfg=cfg, params=params):
+                y, st = forward.prefill(params, cfg, carry[0], carry[1], backend="pallas")
                 return y.astype(carry[0].dtype), st
 
             run = functools.partial(common.time_loop, step, (x, state), n, reps)
-            floor = block_flops(cfg, t) / PEAK * 1e6
-            base = None if backend == "xla" else times.get(("xla", t))
-            times[backend, t] = common.run_case(
+            floor = b * block_flops(cfg, t) / PEAK * 1e6
+            base = None if fla is None else min(fla.values())
+            kind = None if fla is None else min(fla, key=fla.get)
+            common.run_case(
                 records,
                 meta,
                 "prefill_block",
-                f"B=1,T={t},D={cfg.hidden},H={cfg.heads}",
-                backend,
+                f"B={b},T={t},D={cfg.hidden},H={cfg.heads},gate={gate}",
+                "pallas",
                 run,
                 floor,
                 base,
-                "xla prefill",
-                tokens_per_s=lambda us, t=t: round(t / us * 1e6),
-                floor_tokens_per_s=round(t / floor * 1e6),
+                f"{common.FLA_LAYER_NAME} ({'CUDA graph' if kind == 'graph' else 'eager'})",
+                vs_baseline=lambda us, f=base: None if f is None else round(us / f, 3),
+                tokens_per_s=lambda us, bt=b * t: round(bt / us * 1e6),
+                floor_tokens_per_s=round(b * t / floor * 1e6),
+                fla_eager_us=None if fla is None else fla["eager"],
+                fla_graph_us=None if fla is None else fla["graph"],
             )
+            del x, state
 
 
 def main():
@@ -260,7 +286,7 @@ def main():
         help="chunk widths of our core, e.g. 64,32 (default: the config's default, "
         f"{DEFAULT_CHUNK}; FLA runs once per shape and gate)",
     )
-    parser.add_argument("--gates", default="bounded,unbounded", help="core gates, e.g. bounded")
+    parser.add_argument("--gates", default="bounded,unbounded", help="gates, e.g. bounded")
     parser.add_argument(
         "--shapes",
         type=lambda x: [tuple(int(v) for v in s.split("x")) for s in x.split(",")],
@@ -277,10 +303,8 @@ def main():
             parser.error(f"--gates: expected bounded and/or unbounded, got {args.gates!r}")
         bench_core(args.shapes, 20, reps, records, meta, chunks=args.chunks, gates=gates)
     if not args.core_only:
-        cfg = preset("kimi-linear-48b")
-        params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
-        ts = (1024, 4096, 8192, 32768)
-        bench_block(cfg, params, ts, 8192, 5 if args.quick else 10, reps, records, meta)
+        gates = [g for g in ("unbounded", "bounded") if g in args.gates.split(",")]
+        bench_block(BLOCK_SHAPES, gates, 5 if args.quick else 10, reps, records, meta)
     print(f"\n{'bench':<14}{'shape':<44}{'backend':<44}{'time_us':>9}{'floor_us':>9}  baseline")
     for r in records:
         t = r["time_us"]

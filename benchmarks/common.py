@@ -91,6 +91,60 @@ FLA_OPTIONS = dict(
 )
 
 
+FLA_LAYER_NAME = "fla-0.6.0 KimiDeltaAttention"
+
+
+def fla_layer(cfg, lower_bound):
+    """FLA 0.6.0's own block, `fla.layers.kda.KimiDeltaAttention`, built on cfg's geometry as
+    SPEC §9 describes (bf16, eval mode; `safe_gate` with the bounded gate). Raises if fla is
+    missing."""
+    import torch
+    from fla.layers.kda import KimiDeltaAttention
+
+    extra = {} if lower_bound is None else dict(lower_bound=lower_bound, safe_gate=True)
+    layer = KimiDeltaAttention(
+        hidden_size=cfg.hidden,
+        num_heads=cfg.heads,
+        head_dim=cfg.head_dim,
+        conv_size=cfg.conv_kernel,
+        layer_idx=0,
+        **extra,
+    )
+    return layer.cuda().to(torch.bfloat16).eval()
+
+
+def fla_layer_prefill_us(layer, b: int, t: int, reps: int = 7, calls: int = 10) -> dict:
+    """µs per `layer(x)` call, x [B, T, D] bf16 random, no gradients: `eager` (`calls`
+    back-to-back calls between CUDA events, median of `reps`) and `graph` (the same calls
+    replayed as one CUDA graph)."""
+    import statistics
+
+    import torch
+
+    x = torch.randn(b, t, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+
+    def call():
+        return layer(x)
+
+    with torch.inference_mode():
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / calls)
+    eager = statistics.median(times)
+    graph = cuda_graph_us(call, reps, calls)
+    return dict(eager=round(eager, 2), graph=round(graph, 2))
+
+
 class Records(list):
     """A list of result records that is saved and printed on every append, so a run cut short
     by a time limit still leaves every finished case on disk.

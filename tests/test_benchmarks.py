@@ -13,7 +13,14 @@ import pytest
 from pallas_kernels.chunk_prepare import PrepareBlockSizes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["bench_decode", "bench_gemv", "bench_prefill", "decode_profile", "stage_profile"]
+SCRIPTS = [
+    "bench_decode",
+    "bench_gemv",
+    "bench_prefill",
+    "block_profile",
+    "decode_profile",
+    "stage_profile",
+]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
