@@ -281,7 +281,10 @@ def _prefill(params, cfg, x, state, lengths, *, backend, return_stages):
     real = pos < lengths[:, None]
     first_bad = jnp.min(jnp.where(real & ~jnp.isfinite(x).all(-1), pos, t), axis=1)
     ok = jnp.minimum(lengths, first_bad)
-    x = jnp.where((pos < ok[:, None])[..., None], x, 0)
+    if backend == "xla":
+        # Gradients flow through this backend: zero the rows the block ignores, or the
+        # projections' backward would multiply their zero cotangents by NaN (dW = x^T dy).
+        x = jnp.where((pos < ok[:, None])[..., None], x, 0)
     out, new_state, stages = _prefill_rows(params, cfg, x, state, ok, backend, return_stages)
     out = jnp.where((real & (pos >= ok[:, None]))[..., None], jnp.nan, out)
     poisoned = ok < lengths
