@@ -3,12 +3,13 @@ Mosaic GPU kernel (`gemv_mgpu.py`, Hopper only; `gemv.proj` picks it).
 
 Import kernels from their files (`from pallas_kernels.gemv import proj`; the package
 namespace is left to the submodules, several of which share a kernel's name). Every public
-kernel has the signature of its reference in `reference.py` (`<name>_reference`), plus two
-static keywords: `block_sizes` (the file's frozen `...BlockSizes`; None takes
-`get_default(...)` for the shape) and `interpret` (None: Pallas interpret mode when there is
-no GPU, so the same call runs on a CPU; the Mosaic GPU kernel in Mosaic GPU's interpreter).
-The stage functions that compose kernels (`gemv.proj`, `front.decode_front`, `chunk.*`) take
-`interpret` only and run every kernel at its default tiling.
+kernel has the signature of its reference in `reference.py` (`<name>_reference`) plus two
+static keywords: `block_sizes`, its file's frozen `...BlockSizes` (None: `get_default(...)`
+for the shape), and `interpret` (None: Pallas interpret mode when there is no GPU, so the
+same call runs on a CPU; the Mosaic GPU kernel in Mosaic GPU's interpreter). Stage functions
+that compose kernels (`gemv.proj`, `gemv.proj_many`, `front.decode_front`, `chunk.chunk_kda`,
+`chunk.prefill_core`) take `interpret` only and run their kernels at the default tilings;
+`chunk_prepare`'s three kernels take their tiling from its `PrepareBlockSizes`.
 
 | stage (SPEC §1)                         | kernel                        | file             |
 |-----------------------------------------|-------------------------------|------------------|
