@@ -15,7 +15,7 @@ Cases:
 - `conv_decode`: the conv + SiLU + L2 stage alone at B = 1, 64 (pallas and xla), so the whole
   step can be split into its stages (the projections: bench_gemv.py; the core: below).
 - `decode_core`: L2 of raw q, k + gate + beta + recurrence + read-out, FLA's work (no RMSNorm:
-  `_decode_core(norm=False)`; the loop carries the state and the read-out o, so neither can be
+  `recurrent.fused_recurrent`; the loop carries the state and the read-out o, so neither can be
   dropped as unused), on bf16 inputs at B = 1, 8, 64, H = 32, K = V = 128, at the recurrent
   kernel's default V tile (`--tiles`: the other V tiles too), and for the xla reference.
   Floor: the state read and written, q, k, v, f, beta read and o written in bf16 (FLA's
@@ -56,7 +56,7 @@ from kda_jax.config import preset  # noqa: E402
 from kda_jax.params import init_params  # noqa: E402
 from kda_jax.state import KdaState  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
-from pallas_kernels.recurrent import RecurrentBlockSizes, _decode_core  # noqa: E402
+from pallas_kernels.recurrent import RecurrentBlockSizes, fused_recurrent  # noqa: E402
 
 BANDWIDTH = 4.3e12  # B/s, the H200's measured copy bandwidth (SPEC §9)
 FLA_NAME = "fla 0.6.0 fused_recurrent_kda"
@@ -232,7 +232,7 @@ def bench_core(cfg, batches, n, reps, records, meta, tiles=()):
         acts, params, state = _core_inputs(b, h, kd, jax.random.key(b))
         floor = core_floor_us(acts, state)
         shape = f"B={b},H={h},K={kd},R=1"
-        default = RecurrentBlockSizes.default_for(b, h, kd, kd)
+        default = RecurrentBlockSizes.get_default(b, h, kd, kd)
         variants = [(f"pallas[block_v={default.block_v}]", default)] + [
             (f"pallas[block_v={bv}]", RecurrentBlockSizes.with_block_v(kd, bv))
             for bv in ((kd, kd // 2, kd // 4, kd // 8) if tiles is None else tiles)
@@ -264,11 +264,23 @@ CORE_NOTE = (
 def _pallas_core_step(acts, params, kw, l2_eps, block, carry):
     """Raw q, k L2-normalised in the recurrent kernel, gate and beta fused, no RMSNorm: one
     launch. carry: (state, o) -> (new state, read-out o [B, 1, P] fp32)."""
-    q, k, v, f, beta, z = acts
-    o, new_state, _ = _decode_core(
-        q, k, v, f, beta, z, carry[0], *params, **kw, l2_eps=l2_eps, block=block, norm=False
+    q, k, v, f, beta, _ = acts
+    a_log, dt_bias, _ = params
+    o, new_state, _ = fused_recurrent(
+        q,
+        k,
+        v,
+        f,
+        beta,
+        carry[0],
+        a_log,
+        dt_bias,
+        scale=kw["scale"],
+        lower_bound=kw["lower_bound"],
+        l2_eps=l2_eps,
+        block_sizes=block,
     )
-    return new_state, o
+    return new_state, o.reshape(carry[1].shape)
 
 
 def _xla_core_step(acts, params, kw, l2_eps, carry):
@@ -300,7 +312,7 @@ def bench_conv(cfg, params, batches, n, reps, records, meta, tiles=False):
         # raw inputs (bf16) and q|k|v out (fp32) once, the conv state read and written.
         floor = (qkv.size * 2 + qkv.size * 4 + 2 * conv0.size * 4) / BANDWIDTH * 1e6
         groups = cfg.conv_dim // cfg.head_dim
-        default = ConvBlockSizes.default_for(1, groups, cfg.head_dim)
+        default = ConvBlockSizes.get_default(1, groups, cfg.head_dim)
         variants = [("pallas", conv_decode)] + [
             (
                 f"pallas[heads={hb},warps={nw}]",

@@ -173,7 +173,7 @@ def main_cases(args, device, target_s, reps):
                 **common,
             )
             pk_rec["tbps"] = round(nbytes / t_pk / 1e12, 3)
-            pk_rec["block_sizes"] = dataclasses.asdict(G.GemvBlockSizes.default_for(n, d, m))
+            pk_rec["block_sizes"] = dataclasses.asdict(G.GemvBlockSizes.get_default(n, d, m))
             records += [pk_rec, xla_rec]
             rows.append((shape, t_pk, t_xla, floor, nbytes, overhead[m]))
     print(

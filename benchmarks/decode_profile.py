@@ -175,7 +175,7 @@ def main():
         extra = {}  # the core's FLA beside it
         if what == "core":  # one launch per step: its device time against FLA's per call
             acts, core_params, state = _core_inputs(num, cfg.heads, cfg.head_dim, key)
-            block = RecurrentBlockSizes.default_for(num, cfg.heads, cfg.head_dim, cfg.head_dim)
+            block = RecurrentBlockSizes.get_default(num, cfg.heads, cfg.head_dim, cfg.head_dim)
             if tile:  # core:B:BV[:WARPS] overrides the default tiling
                 block = RecurrentBlockSizes.with_block_v(cfg.head_dim, int(tile[0]))
                 if len(tile) > 1:

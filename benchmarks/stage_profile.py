@@ -40,8 +40,8 @@ from bench_prefill import (  # noqa: E402
 from decode_profile import profile_case  # noqa: E402
 
 from kda_jax.config import DEFAULT_CHUNK  # noqa: E402
-from pallas_kernels.chunk_prepare import PrepareBlockSizes, _chunk_prepare  # noqa: E402
-from pallas_kernels.chunk_scan import ScanBlockSizes, _chunk_scan  # noqa: E402
+from pallas_kernels.chunk_prepare import PrepareBlockSizes, chunk_prepare  # noqa: E402
+from pallas_kernels.chunk_scan import ScanBlockSizes, chunk_scan  # noqa: E402
 
 
 def prepare_block_sizes(config: str) -> PrepareBlockSizes:
@@ -146,8 +146,9 @@ def main():
             blk = prepare_block_sizes(config)
 
             def prep_step(state, blk=blk, kw=kw):
-                inter = _chunk_prepare(
-                    q, k, v, g2, beta, _lengths_from(state, b, t), a_log, dt_bias, **kw, blk=blk
+                lengths = _lengths_from(state, b, t)
+                inter = chunk_prepare(
+                    q, k, v, g2, beta, lengths, a_log, dt_bias, **kw, block_sizes=blk
                 )
                 # One element of every output, so XLA keeps every kernel of the stage (taking gl
                 # alone let it drop the w/u kernel as dead code: the records of 2026-12-01
@@ -168,7 +169,7 @@ def main():
             )
     if not args.scan_configs:
         return
-    inter = _chunk_prepare(
+    inter = chunk_prepare(
         q,
         k,
         v,
@@ -182,11 +183,13 @@ def main():
         lower_bound=LB,
         mm_dtype=jnp.bfloat16,
         l2_eps=L2_EPS,
-        blk=PrepareBlockSizes(),
+        block_sizes=PrepareBlockSizes(),
     )
     for bv, warps, stages in args.scan_configs:
         blk = ScanBlockSizes(block_v=bv, num_warps=warps, num_stages=stages)
-        step = lambda s, blk=blk: _chunk_scan(inter, s, t=t, out_dtype=jnp.bfloat16, blk=blk)[1]  # noqa: E731
+        step = lambda s, blk=blk: chunk_scan(  # noqa: E731
+            inter, s, t=t, out_dtype=jnp.bfloat16, block_sizes=blk
+        )[1]
         run = functools.partial(common.time_loop, step, h0 + 0.0, 10, 3)
         common.run_case(
             records,

@@ -5,12 +5,15 @@ Both backends expose the same six stages with the signatures of `pallas_kernels.
 `conv_prefill`, `decode_core`, `prefill_core`.
 - `xla`: the pure-jnp references (any platform; the CPU default).
 - `pallas`: the Pallas Triton kernels (the GPU default); on a machine without a GPU they run in
-  interpret mode, which is slow and meant for tests.
+  interpret mode, which is slow and meant for tests. `stages("pallas", interpret=False)` gives
+  the compiled kernels on any machine (cross-lowering for a GPU), `interpret=True` the
+  interpreted ones on a GPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -46,9 +49,15 @@ def resolve(backend: str | None) -> str:
     return backend
 
 
-def stages(backend: str) -> Stages:
-    """The stage functions of a (resolved) backend."""
+def stages(backend: str, *, interpret: bool | None = None) -> Stages:
+    """The stage functions of a (resolved) backend.
+
+    interpret: the pallas kernels' mode, passed to every stage (None: interpret mode when there
+    is no GPU); the xla backend has no kernels and takes None only.
+    """
     if backend == "xla":
+        if interpret is not None:
+            raise ValueError(f"interpret={interpret} applies to the pallas backend, not xla")
         return Stages(
             proj=ref.gemv_reference,
             proj_many=ref.proj_many_reference,
@@ -64,12 +73,15 @@ def stages(backend: str) -> Stages:
         from pallas_kernels.gemv import proj, proj_many
         from pallas_kernels.recurrent import decode_core
 
+        def bind(fn):
+            return functools.partial(fn, interpret=interpret)
+
         return Stages(
-            proj=proj,
-            proj_many=proj_many,
-            decode_front=decode_front,
-            conv_prefill=conv_prefill,
-            decode_core=decode_core,
-            prefill_core=prefill_core,
+            proj=bind(proj),
+            proj_many=bind(proj_many),
+            decode_front=bind(decode_front),
+            conv_prefill=bind(conv_prefill),
+            decode_core=bind(decode_core),
+            prefill_core=bind(prefill_core),
         )
     raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")

@@ -4,6 +4,9 @@
                        --chunk_scan----->  o, final state                 (state pass over chunks)
                        --o_norm--------->  y = RMSNorm(o) * w * sigmoid(z), 0 at pads
 
+chunk_prepare is itself three kernels (chunk_diag, chunk_intra, chunk_wu). Each stage takes its
+default tiling here; the stages' own functions take a `block_sizes` to try others.
+
 `chunk_kda` is the core without the norm (what FLA's `chunk_kda` computes once q, k are
 normalised); `prefill_core` is the block's stage, with the signature and semantics of
 `reference.prefill_core_reference`.
@@ -31,7 +34,8 @@ def matmul_dtype(out_dtype) -> jnp.dtype:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "chunk", "lower_bound", "mm_dtype", "o_dtype", "l2_eps")
+    jax.jit,
+    static_argnames=("scale", "chunk", "lower_bound", "mm_dtype", "o_dtype", "l2_eps", "interpret"),
 )
 def chunk_kda(
     q: jax.Array,
@@ -50,6 +54,7 @@ def chunk_kda(
     mm_dtype=jnp.bfloat16,
     o_dtype=f32,
     l2_eps: float | None = None,
+    interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Gate, beta and the chunked delta rule over T padded tokens (no output norm).
 
@@ -60,6 +65,7 @@ def chunk_kda(
       a_log: [H]; dt_bias: [H*K]; scale: s; chunk: C; lower_bound: lb or None (unbounded).
       mm_dtype: dtype of the intermediates and of the products' operands; o_dtype: dtype of o.
       l2_eps: set when q, k arrive raw: they are L2-normalised inside chunk_prepare.
+      interpret: run the kernels in Pallas interpret mode (None: when there is no GPU).
     Returns:
       o: [B, T, H, V] o_dtype, 0 at pads; new_state: [B, H, K, V] fp32.
     """
@@ -77,11 +83,14 @@ def chunk_kda(
         lower_bound=lower_bound,
         mm_dtype=mm_dtype,
         l2_eps=l2_eps,
+        interpret=interpret,
     )
-    return chunk_scan(inter, state, t=q.shape[1], out_dtype=o_dtype)
+    return chunk_scan(inter, state, t=q.shape[1], out_dtype=o_dtype, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "chunk", "lower_bound", "eps", "out_dtype"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "chunk", "lower_bound", "eps", "out_dtype", "interpret")
+)
 def prefill_core(
     q: jax.Array,
     k: jax.Array,
@@ -100,6 +109,7 @@ def prefill_core(
     lower_bound: float | None,
     eps: float,
     out_dtype=jnp.bfloat16,
+    interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Gate, beta, chunked recurrence and gated RMSNorm over T padded tokens.
 
@@ -110,6 +120,7 @@ def prefill_core(
       q, k, v: [B, T, H, K] from conv_prefill (q, k L2-normalised).
       f: [B, T, P]; b: [B, T, H]; z: [B, T, P]; state: [B, H, K, V] fp32; lengths: [B] int32.
       a_log: [H]; dt_bias: [P]; o_norm_w: [V].
+      interpret: run the kernels in Pallas interpret mode (None: when there is no GPU).
     Returns:
       y: [B, T, P] out_dtype; new_state: [B, H, K, V] fp32.
     """
@@ -128,7 +139,8 @@ def prefill_core(
         chunk=chunk,
         lower_bound=lower_bound,
         mm_dtype=matmul_dtype(out_dtype),
+        interpret=interpret,
     )
-    y = o_norm(o, z, o_norm_w, eps=eps, out_dtype=out_dtype)
+    y = o_norm(o, z, o_norm_w, eps=eps, out_dtype=out_dtype, interpret=interpret)
     valid = jnp.arange(t)[None, :] < lengths[:, None]  # z may be NaN at pads
     return jnp.where(valid[..., None], y, 0).astype(out_dtype), new_state

@@ -10,8 +10,8 @@ registers (fp32, held transposed as S^T [BV, K] so the per-key decay is a row br
 The matrix products take their operands in the intermediates' dtype with fp32 accumulation. With
 bf16 intermediates the state is rounded to bf16 for the products with w and qg only (as FLA
 does), while Delta enters its products with A and kg as a bf16 hi + lo pair, and u arrives in
-fp32: on weakly decaying heads at T = 4096 these two cut the output error by about a fifth
-(emulated: 4.7e-3 -> 3.8e-3 relative RMS after the bf16 RMSNorm). Pads need no mask here:
+fp32: on weakly decaying heads at long T these two cut the output error by about a fifth.
+Pads need no mask here:
 `chunk_prepare` made them neutral (zero rows of w, u, qg, kg and A).
 """
 
@@ -50,22 +50,16 @@ class ScanBlockSizes:
     num_stages: int = 2
 
     @staticmethod
-    def default_for(batch: int, heads: int, v: int, chunk: int) -> ScanBlockSizes:
-        """The measured tilings (H200, H=32, the scan alone; 4 warps throughout):
+    def get_default(batch: int, heads: int, v: int, chunk: int) -> ScanBlockSizes:
+        """The fastest tilings measured on the H200 (4 warps throughout):
         - BV 64 (or V) with 2 stages when that gives B*H*(V/BV) >= 256 programs, two per SM:
-          the other program on the SM hides each trip's load latency. 2026-12-02, B=4,
-          T=4096, C = 32, one job: 525.8 us against 626.4 for BV 32 with 3 stages (512
-          programs), 843.6 for BV 16 with 3.
+          the other program on the SM hides each trip's load latency.
         - Fewer programs, C <= 32: BV 32 (or V) with 3 stages, which keep two chunks' loads in
           flight (60-68 KB of shared memory); with 2, the next chunk's loads are issued at the
           end of a trip and waited on at the top of the next, so their latency is paid every
-          trip. 2026-12-02, B=1, T=8192, C = 32: 341.1 us against 561.4 for BV 16 with 2
-          stages; BV 16 with 3 stages 428.6, at 2 warps 388.6; BV 32 with 4 stages 356.1, at 8
-          warps 476.9 (two jobs). C = 16 takes the same tiling (not timed).
+          trip.
         - Fewer programs, C = 64: two chunks' loads fit beside each other for one program per
-          SM only (BV 16 with 3 stages: 520 against 388 us), so 2 stages, and BV halved down to
-          16 until there are >= 256 programs (2026-12-01, B=1, T=8192: BV 16 375 us against
-          400 for 32 in one job; 64 was slower than 32 in an earlier one, 513 against 414 us).
+          SM only, so 2 stages, and BV halved down to 16 until there are >= 256 programs.
         """
         bv = min(v, 64)
         if batch * heads * (v // bv) >= _FILL_PROGRAMS:
@@ -78,13 +72,19 @@ class ScanBlockSizes:
 
 
 def _chunk_scan_kernel(
-    qg_ref, kg_ref, w_ref, u_ref, a_ref, gl_ref, s_ref, o_ref, s_out_ref, *, chunk: int
+    qg_ref,  # [N*C, K]
+    kg_ref,  # [N*C, K]
+    w_ref,  # [N*C, K]
+    u_ref,  # [N*C, BV] fp32
+    a_ref,  # [N*C, C]
+    gl_ref,  # [N, K] fp32
+    s_ref,  # [K, BV] fp32
+    o_ref,  # [N*C, BV]
+    s_out_ref,  # [K, BV] fp32
+    *,
+    chunk: int,
 ):
-    """One (sequence, head, V tile).
-
-    qg_ref, kg_ref, w_ref: [N*C, K]; u_ref: [N*C, BV]; a_ref: [N*C, C]; gl_ref: [N, K] fp32;
-    s_ref, s_out_ref: [K, BV] fp32; o_ref: [N*C, BV].
-    """
+    """One (sequence, head, V tile): the chunks in order, the state tile in registers."""
     mm = qg_ref.dtype
     n_chunks = gl_ref.shape[0]
     nt = (((1,), (1,)), ((), ()))  # x @ y.T
@@ -113,9 +113,15 @@ def _chunk_scan_kernel(
     s_out_ref[...] = s_t.T
 
 
-@functools.partial(jax.jit, static_argnames=("t", "out_dtype"))
+@functools.partial(jax.jit, static_argnames=("t", "out_dtype", "block_sizes", "interpret"))
 def chunk_scan(
-    inter: ChunkIntermediates, state: jax.Array, *, t: int, out_dtype=f32
+    inter: ChunkIntermediates,
+    state: jax.Array,
+    *,
+    t: int,
+    out_dtype=f32,
+    block_sizes: ScanBlockSizes | None = None,
+    interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The chunk-by-chunk state pass over `chunk_prepare`'s intermediates.
 
@@ -125,6 +131,8 @@ def chunk_scan(
       state: [B, H, K, V] fp32 initial state.
       t: T, the number of token rows of o (T <= N*C; rows past T are dropped).
       out_dtype: dtype of o.
+      block_sizes: tiling (default `ScanBlockSizes.get_default(B, H, V, C)`).
+      interpret: run in Pallas interpret mode (None: when there is no GPU).
     Returns:
       o: [B, T, H, V] out_dtype (0 at pads); new_state: [B, H, K, V] fp32.
     """
@@ -136,20 +144,10 @@ def chunk_scan(
         raise ValueError(f"chunk_scan: state has shape {state.shape}, expected {(bsz, h, kd, vd)}")
     if not n * chunk - chunk < t <= n * chunk:
         raise ValueError(f"chunk_scan: t={t} does not fit N={n} chunks of C={chunk} tokens")
-    blk = ScanBlockSizes.default_for(bsz, h, vd, chunk)
-    return _chunk_scan(inter, state, t=t, out_dtype=out_dtype, blk=blk)
-
-
-@functools.partial(jax.jit, static_argnames=("t", "out_dtype", "blk"))
-def _chunk_scan(inter, state, *, t, out_dtype, blk):
-    """`chunk_scan` with explicit block sizes (benchmarks sweep them)."""
-    bsz, h, tp, kd = inter.qg.shape
-    vd = inter.u.shape[-1]
-    n = inter.gl.shape[2]
-    chunk = tp // n
-    if vd % blk.block_v:
-        raise ValueError(f"chunk_scan: block_v={blk.block_v} does not divide V={vd}")
+    blk = block_sizes or ScanBlockSizes.get_default(bsz, h, vd, chunk)
     bv = blk.block_v
+    if bv < 16 or bv & (bv - 1) or vd % bv:
+        raise ValueError(f"chunk_scan: block_v={bv}: expected a power of two >= 16 dividing V={vd}")
     whole = lambda d: pl.BlockSpec((None, None, tp, d), lambda s, hh, j: (s, hh, 0, 0))  # noqa: E731
     vtile = pl.BlockSpec((None, None, tp, bv), lambda s, hh, j: (s, hh, 0, j))
     state_spec = pl.BlockSpec((None, None, kd, bv), lambda s, hh, j: (s, hh, 0, j))
@@ -175,6 +173,6 @@ def _chunk_scan(inter, state, *, t, out_dtype, blk):
         ),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
         name="kda_chunk_scan",
-        interpret=common.interpret(),
+        interpret=common.resolve_interpret(interpret),
     )(inter.qg, inter.kg, inter.w, inter.u, inter.a, inter.gl, state.astype(f32))
     return (o if tp == t else o[:, :t]), new_state

@@ -9,18 +9,26 @@ import os
 import jax
 from jax.experimental.pallas import triton as plt
 
-__all__ = ["TARGET_PROGRAMS", "interpret", "hopper", "barrier", "bounds", "next_pow2", "cdiv"]
+__all__ = [
+    "TARGET_PROGRAMS",
+    "resolve_interpret",
+    "hopper",
+    "barrier",
+    "bounds",
+    "next_pow2",
+    "cdiv",
+]
 
 # Two programs per SM of the H200 (132 SMs): the fill that the decode kernels' tilings aim for.
 TARGET_PROGRAMS = 2 * 132
 
 
-def interpret() -> bool:
-    """True when kernels must run in Pallas interpret mode.
-
-    Compiled kernels need a GPU; on any other platform they run interpreted (slow, for tests).
-    `KDA_PALLAS_INTERPRET=1` forces interpret mode on a GPU too (debugging).
-    """
+def resolve_interpret(interpret: bool | None) -> bool:
+    """The `interpret` argument of a public kernel: True or False as given; None picks interpret
+    mode when there is no GPU (compiled kernels need one; interpreted ones are slow, for tests)
+    or when `KDA_PALLAS_INTERPRET=1` (debugging on a GPU)."""
+    if interpret is not None:
+        return bool(interpret)
     if os.environ.get("KDA_PALLAS_INTERPRET", "") == "1":
         return True
     return jax.default_backend() != "gpu"
@@ -36,10 +44,10 @@ def hopper() -> bool:
     return major.isdigit() and int(major) >= 9  # "gfx..." (ROCm) is not Hopper either
 
 
-def barrier() -> None:
+def barrier(interpret: bool) -> None:
     """__syncthreads inside a Triton kernel: orders one program's stores before its other
     threads' loads of the same addresses. Interpret mode runs a program in order: nothing."""
-    if not interpret():
+    if not interpret:
         plt.debug_barrier()
 
 

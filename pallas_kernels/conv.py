@@ -67,11 +67,11 @@ class ConvBlockSizes:
             raise ValueError(f"ConvBlockSizes.block_t={self.block_t}: expected >= 1")
 
     @staticmethod
-    def default_for(t: int, groups: int, head_dim: int) -> ConvBlockSizes:
-        """Decode (t = 1): 256-channel tiles, 4 warps, at every B (H200, 2026-12-01: at B = 64
-        they measured 2.7x faster than 1024-channel tiles; B = 1 gets 48 programs); prefill
-        (t = T): ~1K channels x 64 rows per program. conv_decode passes t = 1 whatever R is,
-        so R never changes the tiling (bit-equality with serial calls)."""
+    def get_default(t: int, groups: int, head_dim: int) -> ConvBlockSizes:
+        """Decode (t = 1): 256-channel tiles, 4 warps, at every B (many small programs: faster
+        than 1K-channel tiles at B = 64, and B = 1 still gets 48 programs); prefill (t = T):
+        ~1K channels x 64 rows per program. conv_decode passes t = 1 whatever R is, so R never
+        changes the tiling (bit-equality with serial calls)."""
         divisor = groups & -groups
         if t <= 1:
             return ConvBlockSizes(block_heads=min(divisor, max(1, 256 // head_dim)))
@@ -99,7 +99,18 @@ def _qk_mask(block_heads: int, qk_groups: int, j):
 
 
 def _conv_decode_program(
-    x_ref, state_ref, *refs, j, slot, rows, width, qk_groups, l2_eps, tiles, snapshots
+    x_ref,  # [R, HB, K]
+    state_ref,  # [W-1, HB, K]
+    *refs,  # W taps [HB, K]; per segment out [R, HB, K]; new state [W-1, HB, K]; snapshots
+    j,
+    slot,
+    rows,
+    width,
+    qk_groups,
+    l2_eps,
+    tiles,
+    snapshots,
+    interpret,
 ):
     """Rows slot*G .. slot*G + G-1 (G = min(R, W-1)) of channel tile j of one sequence (j, slot:
     traced scalars read outside any `pl.when`). A row's output and the state after it depend on
@@ -107,11 +118,10 @@ def _conv_decode_program(
     programs of G rows side by side. Only slot 0's rows read the carried state; slot 0 then
     writes the new state over the old one, which no other program needs (their inputs are all
     rows of x: where a select could pick the state, it is never picked).
-    x_ref: [R, HB, K]; state_ref: [W-1, HB, K]; refs: W tap refs [HB, K], then one out ref
-    [R, HB, K] per output segment, new_state_ref [W-1, HB, K] (state_ref's memory), and with
-    `snapshots` states_ref [R, W-1, HB, K]. `tiles`: the first channel tile of each segment and
-    the end (this program's segment is where its tile falls; the other segments' refs point at
-    a clamped tile and are not written). A barrier orders every thread's loads of the old state
+    The new state is written into state_ref's memory; the snapshots ref [R, W-1, HB, K] comes
+    last, with `snapshots` only. `tiles`: the first channel tile of each segment and the end
+    (this program's segment is where its tile falls; the other segments' refs point at a
+    clamped tile and are not written). A barrier orders every thread's loads of the old state
     before any thread's stores of the new one (a store's thread need not be the one that loaded
     that element)."""
     states_ref = refs[-1] if snapshots else None
@@ -153,7 +163,7 @@ def _conv_decode_program(
             store()
         else:  # the last program's rows may run past R
             pl.when(base + i < rows)(store)
-    common.barrier()
+    common.barrier(interpret)
 
     def store_state():
         for t in range(width - 1):
@@ -249,7 +259,7 @@ class DecodePlan:
       inputs, in_specs: x, the conv state, the W tap views of w, with their BlockSpecs.
       out_shape, out_specs: one output per segment, the new state, the snapshots if asked.
       kernel_kw: the static arguments of `_conv_decode_program` (its `tiles`: the segments'
-        first channel tiles and the end).
+        first channel tiles and the end; `interpret`: the launch's mode).
       num_warps: the tiling's; shape: (B, R, C, W); splits: the call's, for `finish`.
     """
 
@@ -271,6 +281,11 @@ class DecodePlan:
     def slots(self) -> int:
         """Programs per (sequence, channel tile): one per W-1 rows."""
         return _slots(self.shape[1], self.shape[3])
+
+    @property
+    def interpret(self) -> bool:
+        """Whether the launch that runs the plan is interpreted."""
+        return self.kernel_kw["interpret"]
 
     @property
     def programs(self) -> int:
@@ -313,16 +328,18 @@ def plan_decode(
     snapshots: bool = False,
     block_sizes: ConvBlockSizes | None = None,
     flat: bool = False,
+    interpret: bool | None = None,
 ) -> DecodePlan:
     """Validates conv_decode's arguments and lays out its launch: for a grid (B, tiles, slots),
     or with `flat` for a 1-D grid whose first B * tiles * slots programs are the conv's
     (`DecodePlan.flat_ids`; later programs see the last one's blocks and must not run
-    `program`)."""
+    `program`). `interpret`: the mode of the launch that runs it (None: when there is no
+    GPU)."""
     _check(x, conv_state, w, qk_channels, head_dim, "conv_decode")
     b, r, c = x.shape
     width, k = w.shape[1], head_dim
     groups = c // k
-    blk = block_sizes or ConvBlockSizes.default_for(1, groups, k)
+    blk = block_sizes or ConvBlockSizes.get_default(1, groups, k)
     hb = blk.block_heads
     if groups % hb:
         raise ValueError(f"conv_decode: block_heads={hb} must divide the {groups} head groups")
@@ -369,6 +386,7 @@ def plan_decode(
             l2_eps=l2_eps,
             tiles=tiles,
             snapshots=snapshots,
+            interpret=common.resolve_interpret(interpret),
         ),
         num_warps=blk.num_warps,
         shape=(b, r, c, width),
@@ -387,6 +405,7 @@ def conv_decode(
     splits: tuple[int, ...] | None = None,
     snapshots: bool = False,
     block_sizes: ConvBlockSizes | None = None,
+    interpret: bool | None = None,
 ):
     """Conv step for R new rows per sequence; the kernel of `reference.conv_decode_reference`.
 
@@ -401,8 +420,9 @@ def conv_decode(
         each written by the kernel (no slice copies); each must be a multiple of the kernel's
         channel tile (whole heads: the block's P = H * K always is).
       snapshots: also return the conv state after every row.
-      block_sizes: tiling (default `ConvBlockSizes.default_for(1, C/K, K)`); it must not
+      block_sizes: tiling (default `ConvBlockSizes.get_default(1, C/K, K)`); it must not
         depend on R when R-row calls must equal serial calls.
+      interpret: run in Pallas interpret mode (None: when there is no GPU).
     Returns:
       out: [B, R, C] fp32, SiLU(conv) with q and k L2-normalised per head; with `splits`, a
         tuple of [B, R, c_s].
@@ -420,6 +440,7 @@ def conv_decode(
         splits=splits,
         snapshots=snapshots,
         block_sizes=block_sizes,
+        interpret=interpret,
     )
 
     def kernel(*refs):
@@ -434,17 +455,25 @@ def conv_decode(
         compiler_params=plt.CompilerParams(num_warps=cp.num_warps, num_stages=1),
         input_output_aliases={1: cp.state_output},
         name="kda_conv_decode",
-        interpret=common.interpret(),
+        interpret=cp.interpret,
     )(*cp.inputs)
     return cp.finish(res)
 
 
 def _conv_prefill_kernel(
-    len_ref, x_ref, state_ref, *refs, width, block_t, t_total, qk_groups, l2_eps, tiles
+    len_ref,  # [1] int32, this sequence's length
+    x_ref,  # [T, HB, K], the whole sequence (rows loaded one at a time)
+    state_ref,  # [W-1, HB, K]
+    *refs,  # W taps [HB, K]; per segment out [T, HB, K]; new state [W-1, HB, K]
+    width,
+    block_t,
+    t_total,
+    qk_groups,
+    l2_eps,
+    tiles,
 ):
-    """len_ref: [1] int32 (this sequence); x_ref: [T, HB, K] (the whole sequence, rows loaded one
-    at a time); state_ref: [W-1, HB, K]; refs: W tap refs [HB, K], then one out ref [T, HB, K]
-    per output segment (`tiles`: as in `_conv_decode_kernel`) and new_state_ref [W-1, HB, K]."""
+    """Rows of one time tile of channel tile j of one sequence (`tiles`: as in
+    `_conv_decode_program`)."""
     tap_refs, out_refs, new_state_ref = refs[:width], refs[width:-1], refs[-1]
     j = pl.program_id(1)  # read here: interpret mode cannot see program_id inside pl.when
     length = len_ref[0]
@@ -491,6 +520,8 @@ def conv_prefill(
     l2_eps: float,
     out_dtype=jnp.float32,
     splits: tuple[int, ...] | None = None,
+    block_sizes: ConvBlockSizes | None = None,
+    interpret: bool | None = None,
 ):
     """Causal conv over T padded tokens; the kernel of `reference.conv_prefill_reference`.
 
@@ -500,8 +531,9 @@ def conv_prefill(
       conv_state: [B, W-1, C] fp32, oldest first.
       w: [C, W] fp32 taps.
       lengths: [B] int, real tokens per row (0 <= lengths <= T).
-      qk_channels, head_dim, l2_eps, splits: as in `conv_decode`.
+      qk_channels, head_dim, l2_eps, splits, interpret: as in `conv_decode`.
       out_dtype: dtype of out.
+      block_sizes: tiling (default `ConvBlockSizes.get_default(T, C/K, K)`).
     Returns:
       out: [B, T, C] out_dtype, SiLU(conv) with q, k L2-normalised, exactly 0 at pad positions;
         with `splits`, a tuple of [B, T, c_s].
@@ -514,8 +546,10 @@ def conv_prefill(
         raise ValueError(f"conv_prefill: lengths has shape {lengths.shape}, expected ({b},)")
     width, k = w.shape[1], head_dim
     groups = c // k
-    blk = ConvBlockSizes.default_for(t, groups, k)
+    blk = block_sizes or ConvBlockSizes.get_default(t, groups, k)
     hb, bt = blk.block_heads, blk.block_t
+    if groups % hb:
+        raise ValueError(f"conv_prefill: block_heads={hb} must divide the {groups} head groups")
     widths, tiles = _segments(splits, c, hb * k, "conv_prefill")
     if t == 0:
         outs = tuple(jnp.zeros((b, 0, v), out_dtype) for v in widths)
@@ -554,7 +588,7 @@ def conv_prefill(
         ),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=2),
         name="kda_conv_prefill",
-        interpret=common.interpret(),
+        interpret=common.resolve_interpret(interpret),
     )(
         jnp.clip(lengths.astype(jnp.int32), 0, t),
         x.reshape(b, t, groups, k),

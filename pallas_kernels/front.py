@@ -1,10 +1,9 @@
 """The decode step's second launch: conv_decode and the f_b | g_b projections in one grid.
 
 Both read w_in's output and nothing of each other's, and at decode sizes each is a few
-microseconds, mostly latency (H200, session 8, B = 1: conv 1.94 us, f_b | g_b 2.73 us as two
-launches; benchmarks/NOTES.md). `decode_front` runs them side by side in one launch: a 1-D grid
-whose first programs are conv_decode's (`conv.plan_decode`) and whose others are the sweep's
-(`gemv.plan`). Every program runs the code its own launch would run, with the same tiling:
+microseconds, mostly launch latency. `decode_front` runs them side by side in one launch: a
+1-D grid whose first programs are conv_decode's (`conv.plan_decode`) and whose others are the
+sweep's (`gemv.plan`). Every program runs the code its own launch would run, with the same tiling:
 compiled, the results have the bits of `conv_decode` and `proj_many` launched apart
 (test_front.py), and R rows per sequence still give the bits of R serial 1-row calls.
 """
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import common, conv, gemv
+from pallas_kernels import conv, gemv
 
 __all__ = ["decode_front"]
 
@@ -36,6 +35,7 @@ def decode_front(
     splits: tuple[int, ...] | None = None,
     snapshots: bool = False,
     out_dtype=None,
+    interpret: bool | None = None,
 ):
     """conv_decode(x, conv_state, w, ...) and proj_many(xs, ws) in one launch; the kernel of
     `reference.decode_front_reference`.
@@ -47,6 +47,8 @@ def decode_front(
       xs, ws: as `gemv.proj_many`: activations [M, D] (1 <= M <= 64) and weights [N, D] of one
         shape each (the block's f_a, g_a and f_b, g_b).
       out_dtype: dtype of the projections (default: the weights').
+      interpret: run in Pallas interpret mode (None: when there is no GPU).
+    Both parts take their own launches' default tilings (what keeps their bits).
     Returns:
       (out or its segments, new_state, states | None, ys): conv_decode's three results, then
       the tuple of projections [M, N].
@@ -61,6 +63,7 @@ def decode_front(
         splits=splits,
         snapshots=snapshots,
         flat=True,
+        interpret=interpret,
     )
     sp = gemv.plan(xs, ws, out_dtype=out_dtype, what="decode_front")
     warps = sp.block_sizes.num_warps
@@ -94,7 +97,7 @@ def decode_front(
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=sp.block_sizes.num_stages),
         input_output_aliases={1: cp.state_output},
         name="kda_decode_front",
-        interpret=common.interpret(),
+        interpret=cp.interpret,
     )(*cp.inputs, *sp.inputs)
     out, new_state, states = cp.finish(res[:n_out])
     return out, new_state, states, tuple(sp.finish(res[n_out:]))

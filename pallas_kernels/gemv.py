@@ -15,7 +15,7 @@ tensor-core tile) for M <= 8; rows at or past M are masked to zero on load and n
 output element is then the same chain of products and fp32 accumulations (tensor-core MMA for
 bf16, IEEE fp32 FMA for fp32 weights), in the same order (D slices in sequence), whatever M is and
 whatever the other rows hold: a row's bits cannot depend on M. The block sizes must match too, so
-`GemvBlockSizes.default_for` ignores M in 1..8. (Elementwise products with a per-row reduction
+`GemvBlockSizes.get_default` ignores M in 1..8. (Elementwise products with a per-row reduction
 would also be M-independent but cost 8x the CUDA-core work at M = 8; an M = 16 MMA is free.)
 
 Split reduction: a weight with few row tiles (o_proj, [2304, 4096]: 144 tiles of 16 rows) leaves
@@ -32,11 +32,11 @@ multiple of the default row tile lowers that tile for the whole weight (still in
 M, so rows keep their bits across M; w_in's bounds are multiples of its tile).
 
 Many rows (9 <= M <= 64: decode at B = 64, a batched verify): the same program with an
-activation tile of next_pow2(M) rows and a tiling of its own (`GemvBlockSizes.default_for`).
+activation tile of next_pow2(M) rows and a tiling of its own (`GemvBlockSizes.get_default`).
 The product is still bound by the weight's read at these M (w_in at M = 64: 3.7 GFLOP against
-58 MB), which this sweep streams once, writing w_in's parts apart; XLA's dot (a Triton GEMM
-fusion) plus the slices of its output measured slower there (benchmarks/NOTES.md). Rows above
-8 have their own tiling, so their bits need not match the M <= 8 path's.
+58 MB), which this sweep streams once, writing w_in's parts apart, where XLA's dot would also
+have to slice its output. Rows above 8 have their own tiling, so their bits need not match the
+M <= 8 path's.
 
 `proj` is the stage function the block's forward calls (signature of
 `reference.gemv_reference`), `proj_many` the one for several weights; both dispatch on M. On
@@ -123,7 +123,7 @@ class GemvBlockSizes:
                 raise ValueError(f"GemvBlockSizes.{name}={v}: expected a power of two >= 16")
 
     @classmethod
-    def default_for(cls, n: int, d: int, m: int = 1, dtype=jnp.bfloat16) -> GemvBlockSizes:
+    def get_default(cls, n: int, d: int, m: int = 1, dtype=jnp.bfloat16) -> GemvBlockSizes:
         """Block sizes for w [n, d] of `dtype` and x [m, d], m <= MAX_TILE_ROWS.
 
         For m <= MAX_KERNEL_ROWS the result does not depend on m: `gemv` and `gemv_batchm` must
@@ -138,7 +138,9 @@ class GemvBlockSizes:
           and long rows (o_proj [2304, 4096]) takes 32 x 128 tiles and splits D (split_d = 8).
         """
         if not 1 <= m <= MAX_TILE_ROWS:
-            raise ValueError(f"default_for: m={m} rows, expected 1 <= m <= {MAX_TILE_ROWS}")
+            raise ValueError(
+                f"GemvBlockSizes.get_default: m={m} rows, expected 1 <= m <= {MAX_TILE_ROWS}"
+            )
         if m > MAX_KERNEL_ROWS:
             return cls._many_rows(n, d)
         cap = 256 if jnp.dtype(dtype).itemsize <= 2 else 128
@@ -151,8 +153,7 @@ class GemvBlockSizes:
         split_d, num_stages = 1, 4
         if common.cdiv(n, block_n) < common.TARGET_PROGRAMS and d >= 8 * cap:
             # Few row tiles and long rows (o_proj): 32 x 128 tiles with D split until there are
-            # >= 4 programs per SM. The H200 sweep of 2026-11-30 (benchmarks/results) put
-            # o_proj at 8.1 us this way against 13.5 us unsplit.
+            # >= 4 programs per SM (an unsplit o_proj leaves most SMs idle).
             block_n, block_d, num_stages = 32, min(block_d, 128), 3
             while (
                 common.cdiv(n, block_n) * split_d < 2 * common.TARGET_PROGRAMS
@@ -166,9 +167,7 @@ class GemvBlockSizes:
         """9..64 rows: slices of at most 128 columns (a [64, 128] activation tile and the weight
         tile, pipelined, stay within shared memory); 64 weight rows per program while that
         leaves one program per SM (w_in: 197), else 32 with D split until there are two per SM
-        (o_proj: 72 row tiles x 4). H200 sweep at M = 64, 2026-12-01 (benchmarks/results):
-        w_in 20.6 us (XLA's dot 19.7, plus ~4 us of slices of its output in the decode step),
-        o_proj 10.8 (split 2: 12.6, split 1: 17.7; XLA's dot 11.9)."""
+        (o_proj: 72 row tiles x 4)."""
         block_d = _block_d(d, 128)
         if common.cdiv(n, 64) >= common.TARGET_PROGRAMS // 2:
             return cls(block_n=64, block_d=block_d, num_stages=3)
@@ -382,7 +381,7 @@ def plan(
     m_range=(1, MAX_TILE_ROWS),
 ) -> SweepPlan:
     """Validates xs[g] [M, D] (M within m_range, at most 64) and ws[g] [N, D] and lays out one
-    sweep over every weight (the tiling of `GemvBlockSizes.default_for` unless given: the same
+    sweep over every weight (the tiling of `GemvBlockSizes.get_default` unless given: the same
     for every M <= 8, which is what keeps rows' bits across M)."""
     xs, ws = tuple(xs), tuple(ws)
     _check_groups(xs, ws, what)
@@ -391,7 +390,7 @@ def plan(
     m, d = xs[0].shape
     n = ws[0].shape[0]
     bounds = _bounds(n, splits)
-    bs = block_sizes or _largest_block_n(GemvBlockSizes.default_for(n, d, m, ws[0].dtype), bounds)
+    bs = block_sizes or _largest_block_n(GemvBlockSizes.get_default(n, d, m, ws[0].dtype), bounds)
     steps = common.cdiv(d, bs.block_d)
     if steps % bs.split_d:
         raise ValueError(f"split_d={bs.split_d} must divide the {steps} slices of D={d}")
@@ -421,7 +420,7 @@ def plan(
     )
 
 
-def _launch(sp: SweepPlan) -> list:
+def _launch(sp: SweepPlan, interpret: bool | None) -> list:
     """Runs one sweep alone, in one launch."""
     parts = pl.pallas_call(
         functools.partial(_gemv_kernel, **sp.kernel_kw),
@@ -431,7 +430,7 @@ def _launch(sp: SweepPlan) -> list:
             num_warps=sp.block_sizes.num_warps, num_stages=sp.block_sizes.num_stages
         ),
         name="kda_gemv",
-        interpret=common.interpret(),
+        interpret=common.resolve_interpret(interpret),
     )(*sp.inputs)
     return sp.finish(parts)
 
@@ -444,7 +443,7 @@ def _largest_block_n(bs: GemvBlockSizes, bounds) -> GemvBlockSizes:
     return dataclasses.replace(bs, block_n=block_n)
 
 
-def _run(xs, ws, out_dtype, block_sizes, splits, what, m_range):
+def _run(xs, ws, out_dtype, block_sizes, splits, what, m_range, interpret):
     """Validates (M within m_range), picks the tiling, runs one sweep."""
     sp = plan(
         xs,
@@ -455,7 +454,7 @@ def _run(xs, ws, out_dtype, block_sizes, splits, what, m_range):
         what=what,
         m_range=m_range,
     )
-    return _launch(sp)
+    return _launch(sp, interpret)
 
 
 def gemv(
@@ -465,6 +464,7 @@ def gemv(
     out_dtype=None,
     block_sizes: GemvBlockSizes | None = None,
     splits: tuple[int, ...] | None = None,
+    interpret: bool | None = None,
 ):
     """One row: y = x @ w.T with fp32 accumulation, every weight byte read once.
 
@@ -472,14 +472,15 @@ def gemv(
       x: [1, D] activations, any float dtype (cast to w.dtype first, as the reference does).
       w: [N, D] bf16 or fp32 weight, torch `[out, in]` layout; N and D need not be tile multiples.
       out_dtype: dtype of y (default: w.dtype).
-      block_sizes: tiling (default: `GemvBlockSizes.default_for`). Pass the same to
+      block_sizes: tiling (default: `GemvBlockSizes.get_default`). Pass the same to
         `gemv_batchm` when its rows must equal this function's bits.
       splits: widths summing to N: y comes back as that many arrays (columns of y in order),
         each written by the kernel (no slice copies). Every bound must be a multiple of 16.
+      interpret: run in Pallas interpret mode (None: when there is no GPU).
     Returns:
       [1, N] out_dtype, or a tuple of [1, n_s] when `splits` is given.
     """
-    return _run([x], [w], out_dtype, block_sizes, splits, "gemv", (1, 1))[0]
+    return _run([x], [w], out_dtype, block_sizes, splits, "gemv", (1, 1), interpret)[0]
 
 
 def gemv_batchm(
@@ -489,6 +490,7 @@ def gemv_batchm(
     out_dtype=None,
     block_sizes: GemvBlockSizes | None = None,
     splits: tuple[int, ...] | None = None,
+    interpret: bool | None = None,
 ):
     """2..64 rows in ONE sweep over w. For M <= 8 row i has exactly the bits of
     `gemv(x[i:i+1], w)`; 9..64 rows take a tiling of their own (the same products, other bits).
@@ -496,14 +498,23 @@ def gemv_batchm(
     Args:
       x: [M, D] activations, 2 <= M <= 64, any float dtype (cast to w.dtype first).
       w: [N, D] bf16 or fp32 weight, torch `[out, in]` layout.
-      out_dtype, block_sizes, splits: as for `gemv` (the same defaults give the same bits).
+      out_dtype, block_sizes, splits, interpret: as for `gemv` (the same defaults give the same
+        bits).
     Returns:
       [M, N] out_dtype, or a tuple of [M, n_s] when `splits` is given.
     """
-    return _run([x], [w], out_dtype, block_sizes, splits, "gemv_batchm", (2, MAX_TILE_ROWS))[0]
+    m_range = (2, MAX_TILE_ROWS)
+    return _run([x], [w], out_dtype, block_sizes, splits, "gemv_batchm", m_range, interpret)[0]
 
 
-def proj(x: jax.Array, w: jax.Array, *, out_dtype=None, splits: tuple[int, ...] | None = None):
+def proj(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    out_dtype=None,
+    splits: tuple[int, ...] | None = None,
+    interpret: bool | None = None,
+):
     """The projection stage of the block: y = x @ w.T, fp32 accumulation (`gemv_reference`).
 
     Dispatch on the row count M (a static shape, so one branch is traced; inputs are validated
@@ -524,6 +535,8 @@ def proj(x: jax.Array, w: jax.Array, *, out_dtype=None, splits: tuple[int, ...] 
       out_dtype: dtype of y (default: w.dtype).
       splits: widths summing to N: return y's column blocks as separate arrays (the kernel
         writes each one; bounds must be multiples of 16).
+      interpret: run the kernels in interpret mode (None: when there is no GPU).
+    Each path takes its kernel's default tiling.
     Returns:
       [M, N] out_dtype, or a tuple of [M, n_s] when `splits` is given.
     """
@@ -535,14 +548,14 @@ def proj(x: jax.Array, w: jax.Array, *, out_dtype=None, splits: tuple[int, ...] 
         if common.hopper() and gemv_mgpu.mgpu_fits(x.shape, w.shape, w.dtype, out_dtype, splits):
             _check(x, w, what, rng)
             _bounds(w.shape[0], splits)
-            return gemv_mgpu.gemv_mgpu(x, w, splits=splits)
-        return _run([x], [w], out_dtype, None, splits, what, rng)[0]
+            return gemv_mgpu.gemv_mgpu(x, w, splits=splits, interpret=interpret)
+        return _run([x], [w], out_dtype, None, splits, what, rng, interpret)[0]
     _check(x, w, "proj", (m, m))
     _bounds(w.shape[0], splits)  # the kernel path's rules for splits, so both refuse alike
     return ref.gemv_reference(x, w, out_dtype=out_dtype, splits=splits)
 
 
-def proj_many(xs, ws, *, out_dtype=None) -> tuple[jax.Array, ...]:
+def proj_many(xs, ws, *, out_dtype=None, interpret: bool | None = None) -> tuple[jax.Array, ...]:
     """Several projections of one shape, y_g = xs[g] @ ws[g].T (`reference.proj_many_reference`):
     one launch for M <= 64 (a grid axis over the weights; the decode step's f_b and g_b), XLA's
     dots above, as in `proj`.
@@ -551,6 +564,7 @@ def proj_many(xs, ws, *, out_dtype=None) -> tuple[jax.Array, ...]:
       xs: sequence of [M, D] activations (same shape); ws: sequence of [N, D] weights (same shape
         and dtype), as many as xs.
       out_dtype: dtype of every y (default: the weights' dtype).
+      interpret: run the kernel in interpret mode (None: when there is no GPU).
     Returns:
       tuple of [M, N] out_dtype, one per weight.
     """
@@ -558,7 +572,8 @@ def proj_many(xs, ws, *, out_dtype=None) -> tuple[jax.Array, ...]:
     _check_groups(xs, ws, "proj_many")
     m = xs[0].shape[0]
     if m <= MAX_TILE_ROWS:
-        return tuple(_run(xs, ws, out_dtype, None, None, "proj_many", (1, MAX_TILE_ROWS)))
+        m_range = (1, MAX_TILE_ROWS)
+        return tuple(_run(xs, ws, out_dtype, None, None, "proj_many", m_range, interpret))
     for x, w in zip(xs, ws, strict=True):
         _check(x, w, "proj_many", (m, m))
     return ref.proj_many_reference(xs, ws, out_dtype=out_dtype)

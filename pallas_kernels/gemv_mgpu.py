@@ -13,13 +13,7 @@ wgmma transposes it: y [64, block_n] = E [64, 16] @ bf16(y^T)^T with E the ident
 columns. That is exact for a bf16 output: each element is bf16(acc) * 1 plus zeros, summed in
 fp32 (non-finite values cross it as small integer codes, so a NaN or inf stays in its own row).
 A TMA store then writes y's first M rows (a part's ragged last tile through a
-shared-memory tile of its own width).
-
-Against the Triton sweep (`gemv`), kernel time by CUPTI on the H200 (session 19,
-benchmarks/results/history/2026-12-02-712abbe-mgpu/): inside the B=1 decode step 17.11 against
-17.73 us (job 3, this kernel); alone on w_in less its 32-row b part 15.61 against 16.50 us at
-M = 1 and 15.55 against 17.04 at M = 8 (job 2, the same kernel before the non-finite codes were
-added: one transpose wgmma, not two).
+shared-memory tile of its own width). On w_in it is faster than the Triton sweep (`gemv`).
 
 Its reference is `reference.gemv_reference` (the projection stage's, bf16 output).
 
@@ -34,10 +28,7 @@ GPU's lowering refuses a swizzled TMA copy of 64-column tiles into an array whos
 neither, e.g. w_in as one [M, 12576] array), every part but the last starting at a multiple of
 block_n, and at least one 64-row tile per SM (a weight with fewer, such as o_proj, needs its D
 split, which the Triton sweep does). `gemv.proj` sends such calls here on Hopper and the rest to
-the Triton sweep. o_proj with its D split across a cluster of 4 CTAs, the partial sums added
-by the first through its peers' shared memory, was right and deterministic but no faster: 8.8 us
-against the Triton sweep's 7.0 + 1.5 for its add (session 21,
-benchmarks/results/history/2026-12-03-ea2a3d5-split/).
+the Triton sweep.
 """
 
 from __future__ import annotations
@@ -75,11 +66,21 @@ class MgpuGemvBlockSizes:
 
     def __post_init__(self):
         if self.block_n % 64 or not 64 <= self.block_n <= 256:
-            raise ValueError(f"block_n={self.block_n}: expected 64, 128, 192 or 256")
+            raise ValueError(
+                f"MgpuGemvBlockSizes.block_n={self.block_n}: expected 64, 128, 192 or 256"
+            )
         if self.block_k % 64 or self.block_k < 64:
-            raise ValueError(f"block_k={self.block_k}: expected a multiple of 64")
+            raise ValueError(
+                f"MgpuGemvBlockSizes.block_k={self.block_k}: expected a multiple of 64"
+            )
         if self.steps < 1:
-            raise ValueError(f"steps={self.steps}: expected >= 1")
+            raise ValueError(f"MgpuGemvBlockSizes.steps={self.steps}: expected >= 1")
+
+    @staticmethod
+    def get_default() -> MgpuGemvBlockSizes:
+        """The tiling of every call (`mgpu_fits` is checked against its block_n): one for all
+        M, so rows keep their bits across M."""
+        return MgpuGemvBlockSizes()
 
 
 def _widths(n: int, splits) -> tuple[int, ...]:
@@ -93,7 +94,7 @@ def mgpu_fits(x_shape, w_shape, w_dtype, out_dtype, splits) -> bool:
     bf16 = jnp.dtype(jnp.bfloat16)
     widths = _widths(n, splits)
     bounds = common.bounds(widths)
-    bn = MgpuGemvBlockSizes().block_n
+    bn = MgpuGemvBlockSizes.get_default().block_n
     return (
         jnp.dtype(w_dtype) == bf16
         and jnp.dtype(out_dtype or w_dtype) == bf16
@@ -106,7 +107,15 @@ def mgpu_fits(x_shape, w_shape, w_dtype, out_dtype, splits) -> bool:
     )
 
 
-def _body(x_gmem, w_gmem, *o_gmems, m, bs, ksteps, bounds):
+def _body(
+    x_gmem,  # [M, D] bf16
+    w_gmem,  # [N, D] bf16
+    *o_gmems,  # [M, n_s] bf16, one per part
+    m,
+    bs,
+    ksteps,
+    bounds,
+):
     """One CTA: weight rows ni * block_n .. + block_n, all of D."""
     ni = lax.axis_index("n")
     bn, bk = bs.block_n, bs.block_k
@@ -186,6 +195,7 @@ def gemv_mgpu(
     *,
     splits: tuple[int, ...] | None = None,
     block_sizes: MgpuGemvBlockSizes | None = None,
+    interpret: bool | None = None,
 ):
     """y = x @ w.T in bf16, fp32 accumulation, for 1 <= M <= 16 rows (module docstring).
 
@@ -194,7 +204,8 @@ def gemv_mgpu(
       w: [N, D] bf16 weight.
       splits: widths summing to N: y comes back as that many arrays (columns of y in order),
         each stored by the kernel.
-      block_sizes: tiling (default `MgpuGemvBlockSizes()`, the same for every M).
+      block_sizes: tiling (default `MgpuGemvBlockSizes.get_default()`, the same for every M).
+      interpret: run in Mosaic GPU's interpreter (None: when there is no GPU).
     Returns:
       [M, N] bf16, or a tuple of [M, n_s] when `splits` is given.
     """
@@ -209,7 +220,7 @@ def gemv_mgpu(
             f"expected bf16 w [N, D] with N >= {_SMS} x 64, x [M, D] with 1 <= M <= {MAX_ROWS}, "
             "D % 64 == 0, and part widths multiples of 8, each a multiple of 64 or below 64"
         )
-    bs = block_sizes or MgpuGemvBlockSizes()
+    bs = block_sizes or MgpuGemvBlockSizes.get_default()
     widths = _widths(w.shape[0], splits)
     bounds = common.bounds(widths)
     if any(b % bs.block_n for b in bounds[1:-1]):
@@ -226,6 +237,6 @@ def gemv_mgpu(
         grid=(common.cdiv(w.shape[0], bs.block_n),),
         grid_names=("n",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=plgpu.InterpretGPUParams() if common.interpret() else None,
+        interpret=plgpu.InterpretGPUParams() if common.resolve_interpret(interpret) else None,
     )(x.astype(jnp.bfloat16), w)
     return parts[0] if splits is None else tuple(parts)

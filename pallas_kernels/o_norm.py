@@ -37,12 +37,11 @@ class ONormBlockSizes:
     num_warps: int = 4
 
     @staticmethod
-    def default_for(n_rows: int, v: int) -> ONormBlockSizes:
+    def get_default(n_rows: int, v: int) -> ONormBlockSizes:
         """Up to 8K values per program (a power of two dividing n_rows), halved while that
-        leaves fewer than two programs per SM: the decode step's 32 rows (B = 1) are 32
-        one-row programs, not one program of 32 rows (2.45 us on the H200, 2026-12-01, for
-        16 KB), and B = 64's 2048 rows are 256 programs. Warps follow the tile: 1024 values
-        per warp, 1 to 4."""
+        leaves fewer than two programs per SM: small row counts (a decode step's 32 heads) get
+        one-row programs, which fill more SMs. Warps follow the tile: 1024 values per warp,
+        1 to 4."""
         block_rows = min(max(1, 8192 // v), n_rows & -n_rows)
         while block_rows > 1 and n_rows // block_rows < common.TARGET_PROGRAMS:
             block_rows //= 2
@@ -58,8 +57,14 @@ def gated_rms_norm(o, z, w, eps: float):
     return o * inv * w * jax.nn.sigmoid(z)
 
 
-def _o_norm_kernel(o_ref, z_ref, w_ref, y_ref, *, eps: float):
-    """o_ref, z_ref, y_ref: [block_rows, V]; w_ref: [V]."""
+def _o_norm_kernel(
+    o_ref,  # [block_rows, V]
+    z_ref,  # [block_rows, V]
+    w_ref,  # [V]
+    y_ref,  # [block_rows, V]
+    *,
+    eps: float,
+):
     o = o_ref[...].astype(f32)
     z = z_ref[...].astype(f32)
     w = w_ref[...].astype(f32)
@@ -67,7 +72,14 @@ def _o_norm_kernel(o_ref, z_ref, w_ref, y_ref, *, eps: float):
 
 
 def o_norm(
-    o: jax.Array, z: jax.Array, w: jax.Array, *, eps: float, out_dtype=jnp.bfloat16
+    o: jax.Array,
+    z: jax.Array,
+    w: jax.Array,
+    *,
+    eps: float,
+    out_dtype=jnp.bfloat16,
+    block_sizes: ONormBlockSizes | None = None,
+    interpret: bool | None = None,
 ) -> jax.Array:
     """Sigmoid-gated RMSNorm per head; the kernel of `reference.o_norm_reference`.
 
@@ -77,6 +89,8 @@ def o_norm(
       w: [V] norm weight.
       eps: the RMSNorm epsilon (cfg.rms_norm_eps).
       out_dtype: dtype of the result.
+      block_sizes: tiling (default `ONormBlockSizes.get_default(N, V)`).
+      interpret: run in Pallas interpret mode (None: when there is no GPU).
     Returns:
       [..., H*V] out_dtype.
     """
@@ -92,7 +106,11 @@ def o_norm(
     n = math.prod(lead) * h
     if n == 0:
         return jnp.zeros((*lead, h * v), out_dtype)
-    blk = ONormBlockSizes.default_for(n, v)
+    blk = block_sizes or ONormBlockSizes.get_default(n, v)
+    if blk.block_rows & (blk.block_rows - 1) or n % blk.block_rows:
+        raise ValueError(
+            f"o_norm: block_rows={blk.block_rows}: expected a power of two dividing N={n} rows"
+        )
     rows = lambda a: a.reshape(n, v)  # noqa: E731
     spec = pl.BlockSpec((blk.block_rows, v), lambda i: (i, 0))
     y = pl.pallas_call(
@@ -103,6 +121,6 @@ def o_norm(
         out_specs=spec,
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),
         name="kda_o_norm",
-        interpret=common.interpret(),
+        interpret=common.resolve_interpret(interpret),
     )(rows(o), rows(z), w)
     return y.reshape(*lead, h * v)

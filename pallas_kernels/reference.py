@@ -24,6 +24,7 @@ __all__ = [
     "recurrent_reference",
     "o_norm_reference",
     "chunk_kda_reference",
+    "fused_recurrent_reference",
     "decode_core_reference",
     "prefill_core_reference",
 ]
@@ -382,6 +383,39 @@ def chunk_kda_reference(
 # --------------------------------------------------------------------------------------------
 # Composite stages: what the block's forward calls (a backend may fuse their parts)
 # --------------------------------------------------------------------------------------------
+def fused_recurrent_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    f: jax.Array,
+    b: jax.Array,
+    state: jax.Array,
+    a_log: jax.Array,
+    dt_bias: jax.Array,
+    *,
+    scale: float,
+    lower_bound: float | None,
+    l2_eps: float | None = None,
+    snapshots: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Gate, beta and the recurrence for R rows per sequence, no output norm (FLA's
+    fused_recurrent_kda).
+
+    Args:
+      q, k: [B, R, H, K], L2-normalised, or raw with `l2_eps` (normalised here per head,
+        1/sqrt(sum + l2_eps)); v: [B, R, H, V].
+      f: [B, R, P] forget-gate input; b: [B, R, H] beta logits; state: [B, H, K, V] fp32.
+    Returns:
+      o: [B, R, H, V] fp32; new_state; snaps [B, R, H, K, V] or None.
+    """
+    if l2_eps is not None:
+        q, k = q.astype(f32), k.astype(f32)
+        q = q * lax.rsqrt(jnp.sum(q * q, axis=-1, keepdims=True) + l2_eps)
+        k = k * lax.rsqrt(jnp.sum(k * k, axis=-1, keepdims=True) + l2_eps)
+    g, beta = gate_reference(f, b, a_log, dt_bias, head_dim=q.shape[-1], lower_bound=lower_bound)
+    return recurrent_reference(q, k, v, g, beta, state, scale=scale, snapshots=snapshots)
+
+
 def decode_core_reference(
     q: jax.Array,
     k: jax.Array,

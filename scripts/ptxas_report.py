@@ -40,7 +40,7 @@ from pallas_kernels.chunk_scan import chunk_scan  # noqa: E402
 
 BF16 = jnp.bfloat16
 # Kimi-Linear head geometry at the default chunk width; a few chunks are enough for the code
-# ptxas sees (B = 1: the scan's tiling for one sequence, ScanBlockSizes.default_for).
+# ptxas sees (B = 1: the scan's tiling for one sequence, ScanBlockSizes.get_default).
 B, T, H, K, C = 1, 128, 32, 128, DEFAULT_CHUNK
 
 
@@ -51,7 +51,7 @@ def _prepare(lower_bound):
         return chunk_prepare(
             q, q, q, f, beta, jnp.full((B,), T, jnp.int32), jnp.zeros((H,)),
             jnp.zeros((H * K,)), scale=K**-0.5, chunk=C, lower_bound=lower_bound,
-            mm_dtype=BF16, l2_eps=1e-6,
+            mm_dtype=BF16, l2_eps=1e-6, interpret=False,
         )  # fmt: skip
 
     return fn, (zeros, jnp.zeros((B, T, H * K), BF16), jnp.zeros((B, T, H), BF16))
@@ -67,7 +67,8 @@ def _scan():
         a=jnp.zeros((B, H, T, C), BF16),
         gl=jnp.zeros((B, H, n, K), jnp.float32),
     )
-    return lambda i, s: chunk_scan(i, s, t=T, out_dtype=BF16), (inter, jnp.zeros((B, H, K, K)))
+    fn = lambda i, s: chunk_scan(i, s, t=T, out_dtype=BF16, interpret=False)  # noqa: E731
+    return fn, (inter, jnp.zeros((B, H, K, K)))
 
 
 def _decode(batch, rows=None):
@@ -79,11 +80,12 @@ def _decode(batch, rows=None):
         recurrent=jax.ShapeDtypeStruct(cfg.recurrent_state_shape(batch), jnp.float32),
         conv=jax.ShapeDtypeStruct(cfg.conv_state_shape(batch), jnp.float32),
     )
-    if rows is None:
-        x = jax.ShapeDtypeStruct((batch, cfg.hidden), BF16)
-        return lambda p, x, s: forward.decode(p, cfg, x, s, backend="pallas"), (params, x, state)
-    x = jax.ShapeDtypeStruct((batch, rows, cfg.hidden), BF16)
-    return lambda p, x, s: forward.decode_k(p, cfg, x, s, backend="pallas"), (params, x, state)
+    step = forward.decode if rows is None else forward.decode_k
+    x = jax.ShapeDtypeStruct(
+        (batch, cfg.hidden) if rows is None else (batch, rows, cfg.hidden), BF16
+    )
+    fn = lambda p, x, s: step(p, cfg, x, s, backend="pallas", interpret=False)  # noqa: E731
+    return fn, (params, x, state)
 
 
 CASES = {

@@ -72,18 +72,12 @@ def lower_for_h200(fn, *args, **kwargs) -> str:
     """Cross-lowers `fn(*args)` for an H200 on any machine and returns the module text.
 
     Builds the real Triton IR of every pallas_call in `fn` (PALLAS.md, testing without a GPU);
-    catches what interpret mode lets through. Does not run ptxas.
+    catches what interpret mode lets through. Does not run ptxas. `fn` must call the kernels
+    with `interpret=False`: by default they interpret wherever there is no GPU.
     """
     from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-    from pallas_kernels import common
-
     dev = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    saved = common.interpret
-    common.interpret = lambda: False  # lower the real Triton kernels, not the interpreter
-    try:
-        with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=dev)):
-            lowered = jax.jit(fn, **kwargs).trace(*args).lower(lowering_platforms=("cuda",))
-            return lowered.as_text()
-    finally:
-        common.interpret = saved
+    with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=dev)):
+        lowered = jax.jit(fn, **kwargs).trace(*args).lower(lowering_platforms=("cuda",))
+        return lowered.as_text()

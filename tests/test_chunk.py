@@ -19,13 +19,8 @@ from conftest import ON_GPU, TOL, assert_close, lower_for_h200, normal, rel_rms
 
 from pallas_kernels import reference as ref
 from pallas_kernels.chunk import chunk_kda, prefill_core
-from pallas_kernels.chunk_prepare import (
-    ChunkIntermediates,
-    PrepareBlockSizes,
-    _chunk_prepare,
-    chunk_prepare,
-)
-from pallas_kernels.chunk_scan import ScanBlockSizes, _chunk_scan, chunk_scan
+from pallas_kernels.chunk_prepare import ChunkIntermediates, PrepareBlockSizes, chunk_prepare
+from pallas_kernels.chunk_scan import ScanBlockSizes, chunk_scan
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 EPS = 1e-5
@@ -155,7 +150,7 @@ def test_prepare_fused_l2(rng):
 @pytest.mark.parametrize(
     "blk",
     [
-        PrepareBlockSizes.default_for(K, K),
+        PrepareBlockSizes.get_default(K, K),
         PrepareBlockSizes(block_k=16, num_stages=1, diag_warps=4, wu_block_k=16),
         PrepareBlockSizes(block_k=32, wu_block_k=32, wu_stages=2),
     ],
@@ -169,8 +164,8 @@ def test_prepare_column_slices(rng, lower_bound, blk):
     pipelined or not (stages matter on a GPU)."""
     q, k, v, f, beta, lengths, a_log, dt_bias = _prep_args(_inputs(rng))
     kw = dict(scale=K**-0.5, chunk=64, lower_bound=lower_bound, mm_dtype=f32)
-    got = _chunk_prepare(
-        3.0 * q, 0.5 * k, v, f, beta, lengths, a_log, dt_bias, **kw, l2_eps=1e-6, blk=blk
+    got = chunk_prepare(
+        3.0 * q, 0.5 * k, v, f, beta, lengths, a_log, dt_bias, **kw, l2_eps=1e-6, block_sizes=blk
     )
     want = ChunkIntermediates(
         *ref.chunk_prepare_reference(q, k, v, f, beta, lengths, a_log, dt_bias, **kw)
@@ -188,10 +183,10 @@ def test_prepare_wide_slices(rng, lower_bound, block_k):
     """The main kernel at K = V = 128 in slices of 64 (the default: two per row) or 128 (one),
     the L2 norm fused, chunk 32, NaN pads: equal to the reference."""
     q, k, v, f, beta, lengths, a_log, dt_bias = _prep_args(_inputs(rng, h=1, kd=128))
-    blk = dataclasses.replace(PrepareBlockSizes.default_for(128, 128), block_k=block_k)
+    blk = dataclasses.replace(PrepareBlockSizes.get_default(128, 128), block_k=block_k)
     kw = dict(scale=128**-0.5, chunk=32, lower_bound=lower_bound, mm_dtype=f32)
-    got = _chunk_prepare(
-        2.0 * q, 0.5 * k, v, f, beta, lengths, a_log, dt_bias, **kw, l2_eps=1e-6, blk=blk
+    got = chunk_prepare(
+        2.0 * q, 0.5 * k, v, f, beta, lengths, a_log, dt_bias, **kw, l2_eps=1e-6, block_sizes=blk
     )
     want = ChunkIntermediates(
         *ref.chunk_prepare_reference(q, k, v, f, beta, lengths, a_log, dt_bias, **kw)
@@ -201,37 +196,37 @@ def test_prepare_wide_slices(rng, lower_bound, block_k):
 
 
 def test_prepare_default_block_sizes_fit_head_dim():
-    assert PrepareBlockSizes.default_for(128, 128) == PrepareBlockSizes()
-    assert PrepareBlockSizes.default_for(32, 64).wu_block_k == 32
-    assert PrepareBlockSizes.default_for(32, 64).block_k == 32
-    assert PrepareBlockSizes.default_for(16, 64) == PrepareBlockSizes(block_k=16, wu_block_k=16)
+    assert PrepareBlockSizes.get_default(128, 128) == PrepareBlockSizes()
+    assert PrepareBlockSizes.get_default(32, 64).wu_block_k == 32
+    assert PrepareBlockSizes.get_default(32, 64).block_k == 32
+    assert PrepareBlockSizes.get_default(16, 64) == PrepareBlockSizes(block_k=16, wu_block_k=16)
 
 
 def test_scan_default_block_sizes():
     """BV 64 with two stages once that makes >= 256 programs; fewer programs: BV 32 with three
     stages at C <= 32, and at C = 64 two stages with BV halved down to 16 until there are 256
-    (H200 measurements in `ScanBlockSizes.default_for`)."""
+    (the reasons in `ScanBlockSizes.get_default`)."""
     for chunk in (16, 32):
-        assert ScanBlockSizes.default_for(1, 32, 128, chunk) == ScanBlockSizes(32, 4, 3)
-        assert ScanBlockSizes.default_for(4, 32, 128, chunk) == ScanBlockSizes(64, 4, 2)
-    assert ScanBlockSizes.default_for(1, 32, 16, 32) == ScanBlockSizes(16, 4, 3)
-    assert ScanBlockSizes.default_for(1, 32, 128, 64) == ScanBlockSizes(16, 4, 2)
-    assert ScanBlockSizes.default_for(2, 32, 128, 64) == ScanBlockSizes(32, 4, 2)
-    assert ScanBlockSizes.default_for(4, 32, 128, 64) == ScanBlockSizes(64, 4, 2)
+        assert ScanBlockSizes.get_default(1, 32, 128, chunk) == ScanBlockSizes(32, 4, 3)
+        assert ScanBlockSizes.get_default(4, 32, 128, chunk) == ScanBlockSizes(64, 4, 2)
+    assert ScanBlockSizes.get_default(1, 32, 16, 32) == ScanBlockSizes(16, 4, 3)
+    assert ScanBlockSizes.get_default(1, 32, 128, 64) == ScanBlockSizes(16, 4, 2)
+    assert ScanBlockSizes.get_default(2, 32, 128, 64) == ScanBlockSizes(32, 4, 2)
+    assert ScanBlockSizes.get_default(4, 32, 128, 64) == ScanBlockSizes(64, 4, 2)
 
 
 @pytest.mark.parametrize("name", ["block_k", "wu_block_k"])
 def test_prepare_rejects_bad_block_k(rng, name):
     args = _prep_args(_inputs(rng))
     with pytest.raises(ValueError, match=f"{name}=24 must be a power of two"):
-        _chunk_prepare(
+        chunk_prepare(
             *args,
             scale=K**-0.5,
             chunk=16,
             lower_bound=None,
             mm_dtype=f32,
             l2_eps=None,
-            blk=dataclasses.replace(PrepareBlockSizes.default_for(K, K), **{name: 24}),
+            block_sizes=dataclasses.replace(PrepareBlockSizes.get_default(K, K), **{name: 24}),
         )
 
 
@@ -325,7 +320,7 @@ def test_scan_tilings_match_reference(rng, blk):
     inp = _inputs(rng)
     kw = dict(scale=K**-0.5, chunk=32, lower_bound=-5.0, mm_dtype=f32)
     inter = ChunkIntermediates(*ref.chunk_prepare_reference(*_prep_args(inp), **kw))
-    o, s = _chunk_scan(inter, inp[6], t=T, out_dtype=f32, blk=blk)
+    o, s = chunk_scan(inter, inp[6], t=T, out_dtype=f32, block_sizes=blk)
     o_ref, s_ref = ref.chunk_scan_reference(*inter, inp[6], t=T)
     assert_close(o, o_ref, FP32_TOL, "chunk_scan o")
     assert_close(s, s_ref, FP32_TOL, "chunk_scan state")
@@ -432,12 +427,18 @@ def test_prefill_core_lowers_for_h200(lower_bound, chunk):
         s((kd,), f32),
     )
     fn = lambda *a: prefill_core(  # noqa: E731
-        *a, scale=kd**-0.5, chunk=chunk, lower_bound=lower_bound, eps=EPS, out_dtype=bf16
+        *a,
+        scale=kd**-0.5,
+        chunk=chunk,
+        lower_bound=lower_bound,
+        eps=EPS,
+        out_dtype=bf16,
+        interpret=False,
     )
     text = lower_for_h200(fn, *args)
     for name in ("kda_chunk_prepare", "kda_chunk_scan", "kda_o_norm"):
         assert name in text, name
-    blk = ScanBlockSizes.default_for(b, h, kd, chunk)
+    blk = ScanBlockSizes.get_default(b, h, kd, chunk)
     launch = f'"kda_chunk_scan", num_stages = {blk.num_stages} : i32, num_warps = {blk.num_warps}'
     assert launch in text
 
@@ -457,7 +458,13 @@ def test_prepare_lowers_for_h200(lower_bound):
         s((h * kd,), f32),
     )
     fn = lambda *a: chunk_prepare(  # noqa: E731
-        *a, scale=kd**-0.5, chunk=64, lower_bound=lower_bound, mm_dtype=bf16, l2_eps=1e-6
+        *a,
+        scale=kd**-0.5,
+        chunk=64,
+        lower_bound=lower_bound,
+        mm_dtype=bf16,
+        l2_eps=1e-6,
+        interpret=False,
     )
     text = lower_for_h200(fn, *args)
     for name in ("kda_chunk_diag", "kda_chunk_prepare", "kda_chunk_wu"):

@@ -90,8 +90,8 @@ def test_decode_front_updates_the_donated_state_in_place(rng, rows):
     new state took a buffer of its own cost 3-8 us a step on the H200)."""
     x, state, w, xs, ws = _inputs(rng, rows)
     want = decode_front_reference(x, state, w, xs, ws, **KW)[1]
-    new_state = lambda s, *a: decode_front(a[0], s, *a[1:], **KW)[1]  # noqa: E731
-    text = lower_for_h200(new_state, state, x, w, xs, ws)
+    new_state = lambda s, *a, **kw: decode_front(a[0], s, *a[1:], **KW, **kw)[1]  # noqa: E731
+    text = lower_for_h200(lambda *a: new_state(*a, interpret=False), state, x, w, xs, ws)
     aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+),", text)
     assert aliases == [("1", "1")], f"the kernel's aliases (output, operand): {aliases}"
     fn = jax.jit(new_state, donate_argnums=0)
@@ -122,7 +122,13 @@ def test_decode_front_lowers_for_h200(batch, rows):
     xs = (jnp.ones((m, 128), jnp.bfloat16),) * 2
     ws = (jnp.ones((4096, 128), jnp.bfloat16),) * 2
     fn = lambda *a: decode_front(  # noqa: E731
-        *a, qk_channels=8192, head_dim=128, l2_eps=1e-6, splits=(4096,) * 3, snapshots=rows > 1
+        *a,
+        qk_channels=8192,
+        head_dim=128,
+        l2_eps=1e-6,
+        splits=(4096,) * 3,
+        snapshots=rows > 1,
+        interpret=False,
     )
     text = lower_for_h200(fn, x, state, w, xs, ws)
     assert "kda_decode_front" in text and text.count("xla.gpu.triton") == 1

@@ -1,14 +1,17 @@
-"""gate kernel vs reference.gate_reference, both gate variants."""
+"""gate_math / beta_math, the expressions the fused kernels share, vs reference.gate_reference,
+both gate variants."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ON_GPU, TOL, assert_close, lower_for_h200, normal
+from conftest import ON_GPU, TOL, assert_close, normal
 
-from pallas_kernels.gate import gate
+from pallas_kernels.gate import beta_math, gate_math
 from pallas_kernels.reference import gate_reference
 
 LEAD, H, K = ((4, 3), 32, 128) if ON_GPU else ((3, 3), 3, 32)
@@ -26,12 +29,20 @@ def _inputs(rng, dtype, lead=LEAD):
     return f, b, a_log, dt_bias
 
 
+@functools.partial(jax.jit, static_argnames=("head_dim", "lower_bound"))
+def _gate(f, b, a_log, dt_bias, *, head_dim, lower_bound):
+    """g and beta as the kernels form them: u = f + dt_bias per head, a = exp(A_log[h])."""
+    u = f.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+    u = u.reshape(*u.shape[:-1], a_log.shape[0], head_dim)
+    a = jnp.exp(a_log.astype(jnp.float32))[:, None]
+    return gate_math(u, a, lower_bound), beta_math(b)
+
+
 @pytest.mark.parametrize("lower_bound", GATES)
 @pytest.mark.parametrize("dtype,lead", [(jnp.float32, LEAD), (jnp.bfloat16, (2, 4))])
 def test_gate_matches_reference(rng, lower_bound, dtype, lead):
-    """An odd row count (one row per program) and a power of two (several rows per program)."""
     args = _inputs(rng, dtype, lead)
-    g, beta = gate(*args, head_dim=K, lower_bound=lower_bound)
+    g, beta = _gate(*args, head_dim=K, lower_bound=lower_bound)
     g_ref, beta_ref = gate_reference(*args, head_dim=K, lower_bound=lower_bound)
     assert g.shape == (*lead, H, K) and g.dtype == jnp.float32
     assert beta.shape == (*lead, H) and beta.dtype == jnp.float32
@@ -43,22 +54,3 @@ def test_gate_matches_reference(rng, lower_bound, dtype, lead):
     assert np.all(np.asarray(g) <= 0) and np.all(np.isfinite(g))
     assert_close(g, g_ref, FP32_TOL, "g")
     assert_close(beta, beta_ref, FP32_TOL, "beta")
-
-
-def test_gate_rejects_bad_shapes(rng):
-    f, b, a_log, dt_bias = _inputs(rng, jnp.float32)
-    with pytest.raises(ValueError, match="do not fit"):
-        gate(f[..., :-1], b, a_log, dt_bias, head_dim=K, lower_bound=None)
-    with pytest.raises(ValueError, match="b has shape"):
-        gate(f, b[..., :-1], a_log, dt_bias, head_dim=K, lower_bound=None)
-
-
-@pytest.mark.parametrize("lower_bound", GATES)
-def test_gate_lowers_for_h200(lower_bound):
-    f = jnp.ones((2, 4, 32 * 128), jnp.bfloat16)
-    b = jnp.ones((2, 4, 32), jnp.bfloat16)
-    a_log, dt_bias = jnp.ones((32,)), jnp.ones((32 * 128,))
-    text = lower_for_h200(
-        lambda *a: gate(*a, head_dim=128, lower_bound=lower_bound), f, b, a_log, dt_bias
-    )
-    assert "kda_gate" in text

@@ -151,7 +151,7 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="block_n=24: expected a power of two >= 16"):
         G.GemvBlockSizes(block_n=24, block_d=32)
     with pytest.raises(ValueError, match="m=65 rows"):
-        G.GemvBlockSizes.default_for(100, 96, 65)
+        G.GemvBlockSizes.get_default(100, 96, 65)
 
 
 def test_default_block_sizes():
@@ -159,16 +159,16 @@ def test_default_block_sizes():
     132 SMs twice over with row tiles, o_proj four times over with row tiles times D splits;
     at 9..64 rows each weight gets at least one program per SM and slices of <= 128 columns."""
     for n, d in REAL_SHAPES + SMALL_SHAPES:
-        sizes = {G.GemvBlockSizes.default_for(n, d, m) for m in range(1, 9)}
+        sizes = {G.GemvBlockSizes.get_default(n, d, m) for m in range(1, 9)}
         assert len(sizes) == 1, (n, d, sizes)
-        many = {G.GemvBlockSizes.default_for(n, d, m) for m in range(9, 65)}
+        many = {G.GemvBlockSizes.get_default(n, d, m) for m in range(9, 65)}
         assert len(many) == 1 and next(iter(many)).block_d <= 128, (n, d, many)
     for n, d in REAL_SHAPES[:2]:
-        bs = G.GemvBlockSizes.default_for(n, d, 64)
+        bs = G.GemvBlockSizes.get_default(n, d, 64)
         assert common.cdiv(n, bs.block_n) * bs.split_d >= 132, (n, d, bs)
-    bs = G.GemvBlockSizes.default_for(*W_IN)
+    bs = G.GemvBlockSizes.get_default(*W_IN)
     assert W_IN[1] % bs.block_d == 0 and common.cdiv(W_IN[0], bs.block_n) >= 2 * 132, bs
-    bs = G.GemvBlockSizes.default_for(*O_PROJ)
+    bs = G.GemvBlockSizes.get_default(*O_PROJ)
     assert common.cdiv(O_PROJ[0], bs.block_n) * bs.split_d >= 4 * 132, bs
     assert O_PROJ[1] % (bs.split_d * bs.block_d) == 0, bs
 
@@ -183,8 +183,8 @@ def test_lowers_for_h200(n, d, m):
         x = jax.ShapeDtypeStruct((m, d), BF16)
         w = jax.ShapeDtypeStruct((n, d), w_dtype)
         fn = G.gemv if m == 1 else G.gemv_batchm
-        text = lower_for_h200(fn, x, w)
-        bs = G.GemvBlockSizes.default_for(n, d, m, w_dtype)
+        text = lower_for_h200(lambda x, w, fn=fn: fn(x, w, interpret=False), x, w)
+        bs = G.GemvBlockSizes.get_default(n, d, m, w_dtype)
         assert "xla.gpu.triton" in text, "no Triton kernel in the lowered module"
         assert f"grid_x = {common.cdiv(n, bs.block_n)} " in text, "unexpected grid"
 
@@ -203,9 +203,9 @@ def test_split_reduction_matches_reference_and_keeps_row_bits(rng, split_d):
 
 
 def test_default_splits_o_proj_only():
-    assert G.GemvBlockSizes.default_for(*O_PROJ).split_d > 1
-    assert G.GemvBlockSizes.default_for(*W_IN).split_d == 1
-    assert G.GemvBlockSizes.default_for(*F_B).split_d == 1
+    assert G.GemvBlockSizes.get_default(*O_PROJ).split_d > 1
+    assert G.GemvBlockSizes.get_default(*W_IN).split_d == 1
+    assert G.GemvBlockSizes.get_default(*F_B).split_d == 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,7 +271,7 @@ def test_split_bounds_lower_the_row_tile_only_when_needed():
     """w_in's bounds keep its default 32-row tile; a 16-aligned bound halves it; either way the
     tiling ignores M (rows keep their bits across M)."""
     n, d = W_IN
-    default = G.GemvBlockSizes.default_for(n, d)
+    default = G.GemvBlockSizes.get_default(n, d)
     kept = G._largest_block_n(default, G._bounds(n, (3 * 4096, 128, 128, 32)))
     assert kept == default and default.block_n == 32, (default, kept)
     lowered = G._largest_block_n(default, G._bounds(n, (3 * 4096 + 16, 112, 128, 32)))
@@ -282,12 +282,13 @@ def test_splits_and_groups_lower_for_h200():
     """w_in with its four segments and f_b | g_b as one launch, at the real shapes."""
     x = jax.ShapeDtypeStruct((1, W_IN[1]), BF16)
     w = jax.ShapeDtypeStruct(W_IN, BF16)
-    text = lower_for_h200(lambda x, w: G.gemv(x, w, splits=(3 * 4096, 128, 128, 32)), x, w)
+    splits = (3 * 4096, 128, 128, 32)
+    text = lower_for_h200(lambda x, w: G.gemv(x, w, splits=splits, interpret=False), x, w)
     assert text.count("xla.gpu.triton") == 1, "expected one kernel for the four segments"
     # proj sends w_in to the Mosaic GPU kernel (test_gemv_mgpu.py), also one launch.
-    text = lower_for_h200(lambda x, w: G.proj(x, w, splits=(3 * 4096, 128, 128, 32)), x, w)
+    text = lower_for_h200(lambda x, w: G.proj(x, w, splits=splits, interpret=False), x, w)
     assert "xla.gpu.triton" not in text and text.count("custom_call @mosaic_gpu") == 1
     x = jax.ShapeDtypeStruct((4, F_B[1]), BF16)
     w = jax.ShapeDtypeStruct(F_B, BF16)
-    text = lower_for_h200(lambda x, w: G.proj_many((x, x), (w, w)), x, w)
+    text = lower_for_h200(lambda x, w: G.proj_many((x, x), (w, w), interpret=False), x, w)
     assert text.count("xla.gpu.triton") == 1, "expected one kernel for both weights"

@@ -137,11 +137,15 @@ def test_lowers_for_h200(m):
     """w_in's real shape and parts; the small geometry's too (a last part of 40)."""
     x = jax.ShapeDtypeStruct((m, SMALL[1]), BF16)
     w = jax.ShapeDtypeStruct(SMALL, BF16)
-    text = lower_for_h200(lambda x, w: MG.gemv_mgpu(x, w, splits=SMALL_SPLITS), x, w)
+    text = lower_for_h200(
+        lambda x, w: MG.gemv_mgpu(x, w, splits=SMALL_SPLITS, interpret=False), x, w
+    )
     assert "kda_gemv_mgpu" in text
     x = jax.ShapeDtypeStruct((m, W_IN[1]), BF16)
     w = jax.ShapeDtypeStruct(W_IN, BF16)
-    text = lower_for_h200(lambda x, w: MG.gemv_mgpu(x, w, splits=W_IN_SPLITS), x, w)
+    text = lower_for_h200(
+        lambda x, w: MG.gemv_mgpu(x, w, splits=W_IN_SPLITS, interpret=False), x, w
+    )
     assert "mosaic_gpu" in text and "kda_gemv_mgpu" in text, "no Mosaic GPU kernel lowered"
 
 

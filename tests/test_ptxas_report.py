@@ -16,8 +16,8 @@ from pallas_kernels.chunk_prepare import PrepareBlockSizes  # noqa: E402
 from pallas_kernels.chunk_scan import ScanBlockSizes  # noqa: E402
 
 # The launch parameters each kernel must carry: the block sizes' defaults at K = V = 128.
-_BLK = PrepareBlockSizes.default_for(128, 128)
-_SCAN = ScanBlockSizes.default_for(ptxas_report.B, ptxas_report.H, ptxas_report.K, ptxas_report.C)
+_BLK = PrepareBlockSizes.get_default(128, 128)
+_SCAN = ScanBlockSizes.get_default(ptxas_report.B, ptxas_report.H, ptxas_report.K, ptxas_report.C)
 _PREPARE = [
     ("kda_chunk_diag", _BLK.diag_warps, 1),
     ("kda_chunk_prepare", _BLK.num_warps, _BLK.num_stages),

@@ -1,4 +1,4 @@
-"""recurrent / decode_core kernels vs their references; R-row vs serial bit-equality."""
+"""decode_core / fused_recurrent kernels vs their references; R-row vs serial bit-equality."""
 
 from __future__ import annotations
 
@@ -8,13 +8,8 @@ import numpy as np
 import pytest
 from conftest import ON_GPU, TOL, assert_close, lower_for_h200, normal
 
-from pallas_kernels.recurrent import (
-    RecurrentBlockSizes,
-    _decode_core,
-    decode_core,
-    recurrent,
-)
-from pallas_kernels.reference import decode_core_reference, gate_reference, recurrent_reference
+from pallas_kernels.recurrent import RecurrentBlockSizes, decode_core, fused_recurrent
+from pallas_kernels.reference import decode_core_reference, fused_recurrent_reference
 
 B, H, K = (4, 32, 128) if ON_GPU else (2, 3, 32)
 SCALE = K**-0.5
@@ -51,25 +46,26 @@ def _core_inputs(key, rows, dtype):
     return q, k, v, f, b, z, state, a_log, dt_bias, o_norm_w
 
 
+def _fused_inputs(key, rows, dtype):
+    """Inputs of fused_recurrent: q, k, v, f, b, state, a_log, dt_bias."""
+    q, k, v, f, b, _, state, a_log, dt_bias, _ = _core_inputs(key, rows, dtype)
+    return q, k, v, f, b, state, a_log, dt_bias
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_recurrent_matches_reference(rng, rows, dtype):
-    k1, k2, k3, k4 = jax.random.split(rng, 4)
-    q, k, v = _qkv(k1, rows, dtype)
-    g = -jnp.exp(normal(k2, (B, rows, H, K)) - 1.0)
-    beta = jax.nn.sigmoid(normal(k3, (B, rows, H)))
-    state = normal(k4, (B, H, K, K), scale=0.5)
-    o, new_state, snaps = recurrent(q, k, v, g, beta, state, scale=SCALE, snapshots=True)
-    o_ref, state_ref, snaps_ref = recurrent_reference(
-        q, k, v, g, beta, state, scale=SCALE, snapshots=True
-    )
+def test_fused_recurrent_matches_reference(rng, rows, dtype):
+    args = _fused_inputs(rng, rows, dtype)
+    kw = dict(scale=SCALE, lower_bound=None)
+    o, new_state, snaps = fused_recurrent(*args, **kw, snapshots=True)
+    o_ref, state_ref, snaps_ref = fused_recurrent_reference(*args, **kw, snapshots=True)
     assert o.shape == (B, rows, H, K) and o.dtype == jnp.float32
     assert new_state.dtype == jnp.float32 and snaps.shape == (B, rows, H, K, K)
     assert_close(o, o_ref, FP32_TOL, "o")
     assert_close(new_state, state_ref, FP32_TOL, "state")
     assert_close(snaps, snaps_ref, FP32_TOL, "snapshots")
     np.testing.assert_array_equal(snaps[:, -1], new_state)
-    _, _, none = recurrent(q, k, v, g, beta, state, scale=SCALE)
+    _, _, none = fused_recurrent(*args, **kw)
     assert none is None
 
 
@@ -79,7 +75,7 @@ def test_recurrent_matches_reference(rng, rows, dtype):
 def test_decode_core_matches_reference(rng, block, lower_bound, rows, dtype):
     args = _core_inputs(rng, rows, dtype)
     kw = dict(scale=SCALE, lower_bound=lower_bound, eps=EPS, snapshots=True)
-    y, new_state, snaps = _decode_core(*args, **kw, out_dtype=jnp.float32, block=block)
+    y, new_state, snaps = decode_core(*args, **kw, out_dtype=jnp.float32, block_sizes=block)
     y_ref, state_ref, snaps_ref = decode_core_reference(*args, **kw, out_dtype=jnp.float32)
     assert y.shape == (B, rows, H * K) and y.dtype == jnp.float32
     assert_close(y, y_ref, FP32_TOL, "y")
@@ -98,32 +94,27 @@ def test_decode_core_public_bf16_out(rng, lower_bound):
     assert_close(new_state, state_ref, FP32_TOL, "state")
 
 
-def test_decode_core_in_kernel_l2(rng):
-    """The bench-only knob: raw q, k normalised in the kernel == normalised before it."""
-    args = list(_core_inputs(rng, 2, jnp.float32))
-    raw_q, raw_k = 3.0 * args[0], 0.5 * args[1]
-    kw = dict(scale=SCALE, lower_bound=None, eps=EPS, snapshots=False, out_dtype=jnp.float32)
-    y, state, _ = _decode_core(raw_q, raw_k, *args[2:], **kw, l2_eps=1e-6)
-    y_ref, state_ref, _ = decode_core_reference(
-        *args, scale=SCALE, lower_bound=None, eps=EPS, out_dtype=jnp.float32
-    )
-    assert_close(y, y_ref, FP32_TOL, "y")
+def test_fused_recurrent_in_kernel_l2(rng):
+    """Raw q, k normalised in the kernel (FLA's use_qk_l2norm_in_kernel) == normalised before."""
+    q, k, *rest = _fused_inputs(rng, 2, jnp.float32)
+    kw = dict(scale=SCALE, lower_bound=None)
+    o, state, _ = fused_recurrent(3.0 * q, 0.5 * k, *rest, **kw, l2_eps=1e-6)
+    o_ref, state_ref, _ = fused_recurrent_reference(q, k, *rest, **kw)
+    assert_close(o, o_ref, FP32_TOL, "o")
     assert_close(state, state_ref, FP32_TOL, "state")
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=["whole_v", "split_v"])
 @pytest.mark.parametrize("lower_bound", GATES, ids=["unbounded", "bounded"])
-def test_decode_core_without_norm(rng, block, lower_bound):
-    """The bench-only knob norm=False (FLA's work): y is the fp32 read-out before the RMSNorm,
-    on either V tile (a whole-head tile must not fuse the norm then)."""
-    args = _core_inputs(rng, 3, jnp.bfloat16)
-    q, k, v, f, b, z, state, a_log, dt_bias, w = args
-    kw = dict(scale=SCALE, lower_bound=lower_bound, eps=EPS, snapshots=False)
-    o, new_state, _ = _decode_core(*args, **kw, out_dtype=jnp.bfloat16, block=block, norm=False)
-    g, beta = gate_reference(f, b, a_log, dt_bias, head_dim=K, lower_bound=lower_bound)
-    o_ref, state_ref, _ = recurrent_reference(q, k, v, g, beta, state, scale=SCALE)
-    assert o.shape == (B, 3, H * K) and o.dtype == jnp.float32
-    assert_close(o, o_ref.reshape(o.shape), FP32_TOL, "o")
+def test_fused_recurrent_tilings(rng, block, lower_bound):
+    """FLA's work, no RMSNorm: o is the fp32 read-out, on either V tile (a whole-head tile must
+    not fuse the norm)."""
+    args = _fused_inputs(rng, 3, jnp.bfloat16)
+    kw = dict(scale=SCALE, lower_bound=lower_bound)
+    o, new_state, _ = fused_recurrent(*args, **kw, block_sizes=block)
+    o_ref, state_ref, _ = fused_recurrent_reference(*args, **kw)
+    assert o.shape == (B, 3, H, K) and o.dtype == jnp.float32
+    assert_close(o, o_ref, FP32_TOL, "o")
     assert_close(new_state, state_ref, FP32_TOL, "state")
 
 
@@ -132,9 +123,9 @@ def test_decode_core_rows_equal_serial_bits(rng, block):
     """decode_k's promise: an R-row call == R serial 1-row calls, bit for bit, snapshots too."""
     rows = 3
     q, k, v, f, b, z, state, a_log, dt_bias, w = _core_inputs(rng, rows, jnp.bfloat16)
-    kw = dict(scale=SCALE, lower_bound=None, eps=EPS, out_dtype=jnp.bfloat16, block=block)
-    many = jax.jit(lambda *a: _decode_core(*a, snapshots=True, **kw))
-    one = jax.jit(lambda *a: _decode_core(*a, snapshots=False, **kw))
+    kw = dict(scale=SCALE, lower_bound=None, eps=EPS, out_dtype=jnp.bfloat16, block_sizes=block)
+    many = jax.jit(lambda *a: decode_core(*a, snapshots=True, **kw))
+    one = jax.jit(lambda *a: decode_core(*a, snapshots=False, **kw))
     y, final, snaps = many(q, k, v, f, b, z, state, a_log, dt_bias, w)
     for r in range(rows):
         row = [a[:, r : r + 1] for a in (q, k, v, f, b, z)]
@@ -146,12 +137,12 @@ def test_decode_core_rows_equal_serial_bits(rng, block):
 
 def test_recurrent_state_updates_in_place_when_donated(rng):
     """A donated state is accepted (the kernel aliases state in and out) and the result holds."""
-    q, k, v = _qkv(rng, 1, jnp.float32)
-    g = -jnp.ones((B, 1, H, K)) * 0.1
-    beta = jnp.full((B, 1, H), 0.5)
-    state = normal(rng, (B, H, K, K))
-    fn = jax.jit(lambda s: recurrent(q, k, v, g, beta, s, scale=SCALE)[1], donate_argnums=0)
-    expected = recurrent_reference(q, k, v, g, beta, state, scale=SCALE)[1]
+    q, k, v, f, b, state, a_log, dt_bias = _fused_inputs(rng, 1, jnp.float32)
+    kw = dict(scale=SCALE, lower_bound=None)
+    fn = jax.jit(
+        lambda s: fused_recurrent(q, k, v, f, b, s, a_log, dt_bias, **kw)[1], donate_argnums=0
+    )
+    expected = fused_recurrent_reference(q, k, v, f, b, state, a_log, dt_bias, **kw)[1]
     got = fn(state)
     assert state.is_deleted()
     assert_close(got, expected, FP32_TOL, "state")
@@ -191,37 +182,39 @@ def _kimi(rows, batch=2):
 def test_decode_core_lowers_for_h200(rows, snapshots, block_v, lower_bound):
     block = RecurrentBlockSizes.with_block_v(128, block_v)
     text = lower_for_h200(
-        lambda *a: _decode_core(
+        lambda *a: decode_core(
             *a,
             scale=128**-0.5,
             lower_bound=lower_bound,
             eps=EPS,
             snapshots=snapshots,
             out_dtype=jnp.bfloat16,
-            block=block,
+            block_sizes=block,
+            interpret=False,
         ),
         *_kimi(rows),
     )
     assert "kda_recurrent" in text
 
 
-def test_recurrent_lowers_for_h200():
-    q, k, v, _, b, _, state, *_ = _kimi(4)
-    text = lower_for_h200(
-        lambda *a: recurrent(*a, scale=128**-0.5, snapshots=True), q, k, v, -0.1 * q, b, state
+def test_fused_recurrent_lowers_for_h200():
+    q, k, v, f, b, _, state, a_log, dt_bias, _ = _kimi(4)
+    fn = lambda *a: fused_recurrent(  # noqa: E731
+        *a, scale=128**-0.5, lower_bound=None, l2_eps=1e-6, snapshots=True, interpret=False
     )
+    text = lower_for_h200(fn, q, k, v, f, b, state, a_log, dt_bias)
     assert "kda_recurrent" in text
 
 
 def test_default_block_v_follows_batch_not_rows():
     """V tile 32 at small B*H, 64 once B*H >= 1024 (measured at B=64, H=32), capped at V; the
     warps per tile as measured at B=64 (4 for the [128, 64] tile)."""
-    assert RecurrentBlockSizes.default_for(1, 32, 128, 128).block_v == 32
-    assert RecurrentBlockSizes.default_for(31, 32, 128, 128).block_v == 32
-    assert RecurrentBlockSizes.default_for(64, 32, 128, 128).block_v == 64
-    assert RecurrentBlockSizes.default_for(64, 32, 128, 32).block_v == 32
-    assert RecurrentBlockSizes.default_for(64, 32, 128, 128).num_warps == 4
-    assert RecurrentBlockSizes.default_for(1, 32, 128, 128).num_warps == 4
+    assert RecurrentBlockSizes.get_default(1, 32, 128, 128).block_v == 32
+    assert RecurrentBlockSizes.get_default(31, 32, 128, 128).block_v == 32
+    assert RecurrentBlockSizes.get_default(64, 32, 128, 128).block_v == 64
+    assert RecurrentBlockSizes.get_default(64, 32, 128, 32).block_v == 32
+    assert RecurrentBlockSizes.get_default(64, 32, 128, 128).num_warps == 4
+    assert RecurrentBlockSizes.get_default(1, 32, 128, 128).num_warps == 4
     # Warps per tile: 32 values per thread up to 4 warps, 64 per thread beyond.
     warps = {bv: RecurrentBlockSizes.with_block_v(128, bv).num_warps for bv in (8, 16, 32, 64, 128)}
     assert warps == {8: 1, 16: 2, 32: 4, 64: 4, 128: 8}
