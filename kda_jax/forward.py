@@ -23,7 +23,7 @@ __all__ = ["MAX_DECODE_ROWS", "prefill", "decode", "decode_k"]
 # Rows (B * k) one pallas decode or verify call can take: the projections' largest row tile.
 MAX_DECODE_ROWS = 64
 
-_STATIC = ("cfg", "backend", "return_stages")
+_STATIC = ("cfg", "backend", "interpret", "return_stages")
 
 
 def _check_cfg(cfg, what: str) -> None:
@@ -93,7 +93,7 @@ def _heads(cfg: KdaConfig, a: jax.Array) -> jax.Array:
     return a.reshape(*a.shape[:-1], cfg.heads, cfg.head_dim)
 
 
-def _rows(params, cfg, x, state, backend, snapshots, return_stages):
+def _rows(params, cfg, x, state, backend, interpret, snapshots, return_stages):
     """R rows per sequence through the decode path; shared by `decode` and `decode_k`."""
     backend = backends.resolve(backend)
     b_, r, d = x.shape
@@ -102,7 +102,7 @@ def _rows(params, cfg, x, state, backend, snapshots, return_stages):
         return _empty_rows(params, cfg, x, state, snapshots, return_stages)
     if backend == "pallas":
         params, x, state = _refuse_grad((params, x, state))
-    st = backends.stages(backend)
+    st = backends.stages(backend, interpret=interpret)
     qkv, f_a, g_a, b = _in_proj(st, params, cfg, x.reshape(b_ * r, d))
     shape = lambda a: a.reshape(b_, r, a.shape[-1])  # noqa: E731
     qkv = shape(qkv)
@@ -165,6 +165,7 @@ def decode(
     state: KdaState,
     *,
     backend: str | None = None,
+    interpret: bool | None = None,
     return_stages: bool = False,
 ):
     """One token per sequence.
@@ -174,18 +175,25 @@ def decode(
       x: [B, D] input-layernorm output of the new token.
       state: KdaState for B sequences.
       backend: "xla" or "pallas" (static); None picks "pallas" on a GPU, "xla" elsewhere.
+      interpret: the pallas kernels' mode (static): None runs them compiled on a GPU and in
+        interpret mode elsewhere; False forces compiled kernels (e.g. cross-lowering for a
+        GPU from a CPU). The xla backend takes None only.
       return_stages: also return a dict of intermediates named as the oracle's stages.
     Returns:
       (y [B, D] in the weights' dtype, new state) and the stage dict when asked.
     """
     _check_cfg(cfg, "decode")
-    return _decode(params, cfg, x, state, backend=backend, return_stages=return_stages)
+    return _decode(
+        params, cfg, x, state, backend=backend, interpret=interpret, return_stages=return_stages
+    )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _decode(params, cfg, x, state, *, backend, return_stages):
+def _decode(params, cfg, x, state, *, backend, interpret, return_stages):
     _check_inputs(params, cfg, x, state, 2, "decode")
-    y, new_state, _, stages = _rows(params, cfg, x[:, None], state, backend, False, return_stages)
+    y, new_state, _, stages = _rows(
+        params, cfg, x[:, None], state, backend, interpret, False, return_stages
+    )
     y = y[:, 0]
     if return_stages:
         return y, new_state, jax.tree.map(lambda a: a[:, 0], stages)
@@ -199,6 +207,7 @@ def decode_k(
     state: KdaState,
     *,
     backend: str | None = None,
+    interpret: bool | None = None,
     return_stages: bool = False,
 ):
     """Speculative verify: k tokens per sequence, projections in one weight sweep.
@@ -214,16 +223,20 @@ def decode_k(
     rows the projections take the 9..64-row tiling and agree within rounding.
     """
     _check_cfg(cfg, "decode_k")
-    return _decode_k(params, cfg, x, state, backend=backend, return_stages=return_stages)
+    return _decode_k(
+        params, cfg, x, state, backend=backend, interpret=interpret, return_stages=return_stages
+    )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _decode_k(params, cfg, x, state, *, backend, return_stages):
+def _decode_k(params, cfg, x, state, *, backend, interpret, return_stages):
     _check_inputs(params, cfg, x, state, 3, "decode_k")
     k = x.shape[1]
     if not 1 <= k <= cfg.max_verify:
         raise ValueError(f"decode_k: k={k} rows, expected 1 <= k <= max_verify={cfg.max_verify}")
-    y, new_state, snaps, stages = _rows(params, cfg, x, state, backend, True, return_stages)
+    y, new_state, snaps, stages = _rows(
+        params, cfg, x, state, backend, interpret, True, return_stages
+    )
     if return_stages:
         return y, new_state, snaps, stages
     return y, new_state, snaps
@@ -237,6 +250,7 @@ def prefill(
     lengths: jax.Array | None = None,
     *,
     backend: str | None = None,
+    interpret: bool | None = None,
     return_stages: bool = False,
 ):
     """Chunked prefill of T padded tokens per sequence from the carried state.
@@ -259,11 +273,20 @@ def prefill(
     shape = np.shape(x)
     if len(shape) == 3:
         lengths = _check_lengths(lengths, shape[0], shape[1])
-    return _prefill(params, cfg, x, state, lengths, backend=backend, return_stages=return_stages)
+    return _prefill(
+        params,
+        cfg,
+        x,
+        state,
+        lengths,
+        backend=backend,
+        interpret=interpret,
+        return_stages=return_stages,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _prefill(params, cfg, x, state, lengths, *, backend, return_stages):
+def _prefill(params, cfg, x, state, lengths, *, backend, interpret, return_stages):
     _check_inputs(params, cfg, x, state, 3, "prefill")
     backend = backends.resolve(backend)
     _check_backend(backend, "prefill")
@@ -285,7 +308,9 @@ def _prefill(params, cfg, x, state, lengths, *, backend, return_stages):
         # Gradients flow through this backend: zero the rows the block ignores, or the
         # projections' backward would multiply their zero cotangents by NaN (dW = x^T dy).
         x = jnp.where((pos < ok[:, None])[..., None], x, 0)
-    out, new_state, stages = _prefill_rows(params, cfg, x, state, ok, backend, return_stages)
+    out, new_state, stages = _prefill_rows(
+        params, cfg, x, state, ok, backend, interpret, return_stages
+    )
     out = jnp.where((real & (pos >= ok[:, None]))[..., None], jnp.nan, out)
     poisoned = ok < lengths
     new_state = jax.tree.map(
@@ -316,10 +341,10 @@ def _check_lengths(lengths, b_: int, t: int) -> jax.Array:
     return jnp.clip(lengths.astype(jnp.int32), 0, t)
 
 
-def _prefill_rows(params, cfg, x, state, lengths, backend, return_stages):
+def _prefill_rows(params, cfg, x, state, lengths, backend, interpret, return_stages):
     """The block over x [B, T, D] whose rows are real below `lengths` and finite there."""
     b_, t, _ = x.shape
-    st = backends.stages(backend)
+    st = backends.stages(backend, interpret=interpret)
     qkv, f_a, g_a, b = _in_proj(st, params, cfg, x.reshape(b_ * t, -1))
     f, z = st.proj_many((f_a, g_a), (params.f_b, params.g_b))
     shape = lambda a: a.reshape(b_, t, a.shape[-1])  # noqa: E731
