@@ -311,6 +311,7 @@ def _prefill(params, cfg, x, state, lengths, *, backend, interpret, return_stage
     out, new_state, stages = _prefill_rows(
         params, cfg, x, state, ok, backend, interpret, return_stages
     )
+    # After o_proj, not before: its backward multiplies its input by the (zero) cotangents.
     out = jnp.where((real & (pos >= ok[:, None]))[..., None], jnp.nan, out)
     poisoned = ok < lengths
     new_state = jax.tree.map(
@@ -341,8 +342,9 @@ def _check_lengths(lengths, b_: int, t: int) -> jax.Array:
     return jnp.clip(lengths.astype(jnp.int32), 0, t)
 
 
-def _prefill_rows(params, cfg, x, state, lengths, backend, interpret, return_stages):
-    """The block over x [B, T, D] whose rows are real below `lengths` and finite there."""
+def _prefill_rows(params, cfg, x, state, ok, backend, interpret, return_stages):
+    """The block over x [B, T, D] whose tokens below `ok` are real (and finite); the others
+    touch nothing and output 0."""
     b_, t, _ = x.shape
     st = backends.stages(backend, interpret=interpret)
     qkv, f_a, g_a, b = _in_proj(st, params, cfg, x.reshape(b_ * t, -1))
@@ -353,7 +355,7 @@ def _prefill_rows(params, cfg, x, state, lengths, backend, interpret, return_sta
         qkv,
         state.conv,
         params.conv_w,
-        lengths,
+        ok,
         qk_channels=cfg.qk_channels,
         head_dim=cfg.head_dim,
         l2_eps=cfg.l2_eps,
@@ -368,7 +370,7 @@ def _prefill_rows(params, cfg, x, state, lengths, backend, interpret, return_sta
         b,
         z,
         state.recurrent,
-        lengths,
+        ok,
         params.a_log,
         params.dt_bias,
         params.o_norm_w,

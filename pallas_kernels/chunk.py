@@ -19,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import common
 from pallas_kernels.chunk_prepare import chunk_prepare
 from pallas_kernels.chunk_scan import chunk_scan
 from pallas_kernels.o_norm import o_norm
@@ -141,6 +142,6 @@ def prefill_core(
         mm_dtype=matmul_dtype(out_dtype),
         interpret=interpret,
     )
-    y = o_norm(o, z, o_norm_w, eps=eps, out_dtype=out_dtype, interpret=interpret)
-    valid = jnp.arange(t)[None, :] < lengths[:, None]  # z may be NaN at pads
-    return jnp.where(valid[..., None], y, 0).astype(out_dtype), new_state
+    keep = common.output_keep(lengths, t)  # z may be NaN at pads: replaced, not scaled
+    y = o_norm(o, z, o_norm_w, eps=eps, keep=keep, out_dtype=out_dtype, interpret=interpret)
+    return y, new_state

@@ -1,5 +1,5 @@
 """Helpers shared by the kernel files: interpret-mode selection, the in-kernel barrier, part
-bounds and power-of-two sizing."""
+bounds, power-of-two sizing and the prefill's per-token output mask."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import itertools
 import os
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import triton as plt
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "bounds",
     "next_pow2",
     "cdiv",
+    "output_keep",
 ]
 
 # Two programs per SM of the H200 (132 SMs): the fill that the decode kernels' tilings aim for.
@@ -63,3 +65,8 @@ def next_pow2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def output_keep(lengths: jax.Array, t: int) -> jax.Array:
+    """[B, T] fp32 for `o_norm`'s keep: 1 below lengths, 0 at the pads."""
+    return (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.float32)

@@ -526,9 +526,9 @@ def proj(
       where the product is bound by reading the weight once; rows agree bit for bit across
       M <= 8, and rows above 8 take a tiling of their own);
     - M > 64 (prefill): XLA's dot (`reference.gemv_reference`, cuBLAS or a Triton GEMM fusion on
-      a GPU): with many rows the product is a real matmul and tensor-core GEMM tiles beat a
-      weight-streaming kernel. This is a deliberate split, not a fallback: rows there do not
-      match the kernel path's bits.
+      a GPU), one per split: with many rows the product is a real matmul and tensor-core GEMM
+      tiles beat a weight-streaming kernel. This is a deliberate split, not a fallback: rows
+      there do not match the kernel path's bits.
 
     Args:
       x: [M, D], M >= 1, any float dtype; w: [N, D] bf16 or fp32 (any D, e.g. K = 128 for f_b).
@@ -551,8 +551,15 @@ def proj(
             return gemv_mgpu.gemv_mgpu(x, w, splits=splits, interpret=interpret)
         return _run([x], [w], out_dtype, None, splits, what, rng, interpret)[0]
     _check(x, w, "proj", (m, m))
-    _bounds(w.shape[0], splits)  # the kernel path's rules for splits, so both refuse alike
-    return ref.gemv_reference(x, w, out_dtype=out_dtype, splits=splits)
+    bounds = _bounds(w.shape[0], splits)  # the kernel path's rules for splits: both refuse alike
+    if splits is None:
+        return ref.gemv_reference(x, w, out_dtype=out_dtype)
+    # One dot per block of w's rows: each output is written whole, where cutting the columns of
+    # one [M, N] product would copy them (a row block of w is contiguous).
+    return tuple(
+        ref.gemv_reference(x, w[lo:hi], out_dtype=out_dtype)
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+    )
 
 
 def proj_many(xs, ws, *, out_dtype=None, interpret: bool | None = None) -> tuple[jax.Array, ...]:

@@ -61,14 +61,18 @@ def _o_norm_kernel(
     o_ref,  # [block_rows, V]
     z_ref,  # [block_rows, V]
     w_ref,  # [V]
-    y_ref,  # [block_rows, V]
-    *,
+    *refs,  # keep_ref [block_rows] fp32 (only with `keep`), y_ref [block_rows, V]
     eps: float,
 ):
+    *keep_ref, y_ref = refs
     o = o_ref[...].astype(f32)
     z = z_ref[...].astype(f32)
     w = w_ref[...].astype(f32)
-    y_ref[...] = gated_rms_norm(o, z, w[None, :], eps).astype(y_ref.dtype)
+    y = gated_rms_norm(o, z, w[None, :], eps)
+    if keep_ref:
+        keep = keep_ref[0][...][:, None]
+        y = jnp.where(keep == 1.0, y, keep)
+    y_ref[...] = y.astype(y_ref.dtype)
 
 
 def o_norm(
@@ -77,6 +81,7 @@ def o_norm(
     w: jax.Array,
     *,
     eps: float,
+    keep: jax.Array | None = None,
     out_dtype=jnp.bfloat16,
     block_sizes: ONormBlockSizes | None = None,
     interpret: bool | None = None,
@@ -88,6 +93,8 @@ def o_norm(
       z: [..., H*V] output-gate projection, any float dtype.
       w: [V] norm weight.
       eps: the RMSNorm epsilon (cfg.rms_norm_eps).
+      keep: optional [...] fp32 per token: 1 keeps the norm, any other value replaces the
+        token's output (0 at pads, NaN after a non-finite token), whatever o and z hold there.
       out_dtype: dtype of the result.
       block_sizes: tiling (default `ONormBlockSizes.get_default(N, V)`).
       interpret: run in Pallas interpret mode (None: when there is no GPU).
@@ -113,14 +120,20 @@ def o_norm(
         )
     rows = lambda a: a.reshape(n, v)  # noqa: E731
     spec = pl.BlockSpec((blk.block_rows, v), lambda i: (i, 0))
+    extra, extra_specs = (), []
+    if keep is not None:
+        if tuple(keep.shape) != tuple(lead):
+            raise ValueError(f"o_norm: keep has shape {tuple(keep.shape)}, expected {tuple(lead)}")
+        extra = (jnp.broadcast_to(keep.astype(f32)[..., None], (*lead, h)).reshape(n),)
+        extra_specs = [pl.BlockSpec((blk.block_rows,), lambda i: (i,))]
     y = pl.pallas_call(
         lambda *refs: _o_norm_kernel(*refs, eps=eps),
         out_shape=jax.ShapeDtypeStruct((n, v), out_dtype),
         grid=(n // blk.block_rows,),
-        in_specs=[spec, spec, pl.BlockSpec((v,), lambda i: (0,))],
+        in_specs=[spec, spec, pl.BlockSpec((v,), lambda i: (0,)), *extra_specs],
         out_specs=spec,
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=1),
         name="kda_o_norm",
         interpret=common.resolve_interpret(interpret),
-    )(rows(o), rows(z), w)
+    )(rows(o), rows(z), w, *extra)
     return y.reshape(*lead, h * v)

@@ -280,7 +280,13 @@ def recurrent_reference(
 # Sigmoid-gated RMSNorm
 # --------------------------------------------------------------------------------------------
 def o_norm_reference(
-    o: jax.Array, z: jax.Array, w: jax.Array, *, eps: float, out_dtype=jnp.bfloat16
+    o: jax.Array,
+    z: jax.Array,
+    w: jax.Array,
+    *,
+    eps: float,
+    keep: jax.Array | None = None,
+    out_dtype=jnp.bfloat16,
 ) -> jax.Array:
     """y_h = o_h * rsqrt(mean(o_h^2) + eps) * w * sigmoid(z_h), per head, fp32 math, one cast.
 
@@ -288,6 +294,8 @@ def o_norm_reference(
       o: [..., H, V] fp32 core output.
       z: [..., H*V] output-gate projection g_b(g_a(x)), any float dtype.
       w: [V] norm weight.
+      keep: optional [...] fp32 per token: 1 keeps the norm, any other value replaces the
+        token's output (0 at pads, NaN after a non-finite token).
     Returns:
       [..., H*V] out_dtype.
     """
@@ -295,6 +303,9 @@ def o_norm_reference(
     zh = z.astype(f32).reshape(o.shape)
     y = o * lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps) * w.astype(f32)
     y = y * jax.nn.sigmoid(zh)
+    if keep is not None:
+        keep = keep.astype(f32)[..., None, None]
+        y = jnp.where(keep == 1.0, y, keep)
     return y.reshape(*o.shape[:-2], -1).astype(out_dtype)
 
 
@@ -487,8 +498,8 @@ def prefill_core_reference(
     q, k, v, g = (jnp.where(vm, a.astype(f32), 0.0) for a in (q, k, v, g))
     beta = jnp.where(valid[..., None], beta, 0.0)
     o, new_state = chunk_kda_reference(q, k, v, g, beta, state, scale=scale, chunk=chunk)
-    y = o_norm_reference(o, z, o_norm_w, eps=eps, out_dtype=out_dtype)
-    return jnp.where(valid[..., None], y, 0).astype(out_dtype), new_state
+    keep = common.output_keep(lengths, t)
+    return o_norm_reference(o, z, o_norm_w, eps=eps, keep=keep, out_dtype=out_dtype), new_state
 
 
 # --- chunk stages (chunk helper) ---

@@ -214,15 +214,17 @@ def test_decode_step_launches_five_kernels_and_copies_nothing(batch, rows):
     assert all(a == f"float32[1,{batch * rows},2304]" for a in sliced), sliced
 
 
-def test_prefill_slices_only_the_xla_projection():
-    """Prefill on the kernel path: conv_prefill writes q, k and v apart (no slice of its
-    [T, 3P] fp32 output: ~0.8 GB of copy traffic at T = 8192); the only slices left are of
-    w_in's product, which XLA's dot computes for T > 64 rows."""
+def test_prefill_slices_no_activation():
+    """Prefill on the kernel path copies no activation: conv_prefill writes q, k and v apart,
+    and w_in's product (XLA's dot for T > 64 rows) runs one dot per contiguous row block of the
+    weight (q|k|v, f_a, g_a, b), so no column block of a [T, 12576] product is copied (122 us
+    at T = 8192 on the H200)."""
     cfg = K.preset("kimi-linear-48b")
     p = jax.eval_shape(lambda: K.init_params(cfg, jax.random.key(0), DTYPE))
     s = jax.eval_shape(lambda: K.KdaState.zeros(cfg, 1))
     x = jax.ShapeDtypeStruct((1, 128, cfg.hidden), DTYPE)
     text = str(jax.make_jaxpr(lambda p, x, s: K.prefill(p, cfg, x, s, backend="pallas"))(p, x, s))
     sliced = [ln.strip() for ln in text.splitlines() if "slice[" in ln]
-    assert sliced and all(ln.split(" = ")[0].split(":")[1].startswith("bf16[128,") for ln in sliced)
-    assert len(sliced) == 4, sliced  # q|k|v, f_a, g_a, b out of w_in's [128, 12576] product
+    shapes = [ln.split(" = ")[0].split(":")[1] for ln in sliced]
+    want = [f"bf16[{n},{cfg.hidden}]" for n in (cfg.conv_dim, cfg.head_dim, cfg.head_dim)]
+    assert shapes == [*want, f"bf16[{cfg.heads},{cfg.hidden}]"], sliced

@@ -75,3 +75,20 @@ def test_o_norm_lowers_for_h200(rows):
     w = jnp.ones((128,), jnp.float32)
     text = lower_for_h200(lambda *a: o_norm(*a, eps=EPS, interpret=False), o, z, w)
     assert "kda_o_norm" in text
+
+
+@pytest.mark.parametrize("block_rows", [1, 4])
+def test_o_norm_keep_replaces_rows(rng, block_rows):
+    """keep: 1 keeps a token's norm, 0 writes zeros and NaN writes NaN, whatever o and z hold
+    there (the prefill's pads: NaN in z must not leak through)."""
+    o, z, w = _inputs(rng, jnp.float32)
+    keep = jnp.ones(LEAD).at[0, 1].set(0.0).at[1, 2].set(jnp.nan)
+    z = z.at[0, 1].set(jnp.nan)
+    blk = ONormBlockSizes(block_rows=min(block_rows, H & -H))
+    got = o_norm(o, z, w, eps=EPS, keep=keep, out_dtype=jnp.float32, block_sizes=blk)
+    ref = o_norm_reference(o, z, w, eps=EPS, keep=keep, out_dtype=jnp.float32)
+    assert bool((got[0, 1] == 0).all()) and bool(jnp.isnan(got[1, 2]).all())
+    kept = jnp.ones(LEAD, bool).at[0, 1].set(False).at[1, 2].set(False)
+    assert_close(got[kept], ref[kept], FP32_TOL, "kept rows")
+    with pytest.raises(ValueError, match="keep has shape"):
+        o_norm(o, z, w, eps=EPS, keep=jnp.ones(LEAD[-1:]))
