@@ -553,12 +553,23 @@ def proj(
     _check(x, w, "proj", (m, m))
     bounds = _bounds(w.shape[0], splits)  # the kernel path's rules for splits: both refuse alike
     if splits is None:
-        return ref.gemv_reference(x, w, out_dtype=out_dtype)
+        return _xla_dot(x, w, out_dtype)
     # One dot per block of w's rows: each output is written whole, where cutting the columns of
     # one [M, N] product would copy them (a row block of w is contiguous).
     return tuple(
-        ref.gemv_reference(x, w[lo:hi], out_dtype=out_dtype)
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+        _xla_dot(x, w[lo:hi], out_dtype) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+    )
+
+
+def _xla_dot(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
+    """x @ w.T by XLA, written in out_dtype by the GEMM itself (accumulating in fp32 as
+    `reference.gemv_reference` does): an fp32 product cast afterwards would cost a pass over it."""
+    return lax.dot_general(
+        x.astype(w.dtype),
+        w,
+        (((1,), (1,)), ((), ())),
+        preferred_element_type=jnp.dtype(out_dtype or w.dtype),
+        precision=lax.Precision.HIGHEST,
     )
 
 
