@@ -38,7 +38,7 @@ def test_prefill_matches_oracle_t1000(name, rng):
     y_ref, s_ref, ref = K.oracle_forward(p, cfg, x, s0)
     assert_close(y, y_ref, TOL["fp32_cpu"], "final_out")
     assert_close(s.recurrent, s_ref.recurrent, TOL["fp32_cpu"], "state")
-    np.testing.assert_allclose(s.conv, s_ref.conv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s.conv, s_ref.conv, **TOL["conv_state_vs_oracle"])
     for n, got in stages.items():
         assert_close(got, ref[n], TOL["fp32_cpu"], n)
 
@@ -97,15 +97,15 @@ def test_split_prefill_and_prefill_plus_decodes_equal_one_prefill(name, rng):
     y, s = K.prefill(p, cfg, x, s0, backend="xla")
     y1, s1 = K.prefill(p, cfg, x[:, :30], s0, backend="xla")
     y2, s2 = K.prefill(p, cfg, x[:, 30:], s1, backend="xla")
-    assert_close(jnp.concatenate([y1, y2], 1), y, 1e-5, "split y")
-    assert_close(s2.recurrent, s.recurrent, 1e-5, "split state")
-    np.testing.assert_allclose(s2.conv, s.conv, rtol=1e-6, atol=1e-6)
+    assert_close(jnp.concatenate([y1, y2], 1), y, TOL["same_path_fp32"], "split y")
+    assert_close(s2.recurrent, s.recurrent, TOL["same_path_fp32"], "split state")
+    np.testing.assert_allclose(s2.conv, s.conv, **TOL["conv_state_copy"])
     ys, st = [], s1
     for t in range(30, 77):
         yt, st = K.decode(p, cfg, x[:, t], st, backend="xla")
         ys.append(yt)
-    assert_close(jnp.stack(ys, 1), y[:, 30:], 1e-5, "decodes y")
-    assert_close(st.recurrent, s.recurrent, 1e-5, "decodes state")
+    assert_close(jnp.stack(ys, 1), y[:, 30:], TOL["same_path_fp32"], "decodes y")
+    assert_close(st.recurrent, s.recurrent, TOL["same_path_fp32"], "decodes state")
 
 
 @pytest.mark.parametrize("k", [1, 2, 5, 8])
@@ -118,11 +118,11 @@ def test_decode_k_equals_serial_decodes_and_snapshots(k, rng):
     st = s0
     for i in range(k):
         yi, st = K.decode(p, cfg, x[:, i], st, backend="xla")
-        assert_close(y[:, i], yi, 1e-5, f"row {i}")
+        assert_close(y[:, i], yi, TOL["same_path_fp32"], f"row {i}")
         row = K.select_snapshot(snaps, jnp.full((2,), i))
-        assert_close(row.recurrent, st.recurrent, 1e-5, f"snapshot {i}")
-        np.testing.assert_allclose(row.conv, st.conv, rtol=1e-6, atol=1e-6)
-    chex.assert_trees_all_close(s_last, st, rtol=1e-5, atol=1e-6)
+        assert_close(row.recurrent, st.recurrent, TOL["same_path_fp32"], f"snapshot {i}")
+        np.testing.assert_allclose(row.conv, st.conv, **TOL["conv_state_copy"])
+    chex.assert_trees_all_close(s_last, st, **TOL["same_path_fp32_tree"])
 
 
 def test_select_snapshot_per_row_accept(rng):
@@ -155,7 +155,7 @@ def test_padding_changes_nothing(name, poison, rng):
         y_ref, s_ref, _ = K.oracle_forward(p, cfg, x[b : b + 1, :n], sb)
         assert_close(y[b : b + 1, :n], y_ref, TOL["fp32_cpu"], f"row {b} y")
         assert_close(s.recurrent[b : b + 1], s_ref.recurrent, TOL["fp32_cpu"], f"row {b} S")
-        np.testing.assert_allclose(s.conv[b : b + 1], s_ref.conv, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(s.conv[b : b + 1], s_ref.conv, **TOL["conv_state_vs_oracle"])
 
 
 def test_lengths_zero_and_short_rows_keep_conv_state(rng):
@@ -166,7 +166,7 @@ def test_lengths_zero_and_short_rows_keep_conv_state(rng):
     np.testing.assert_array_equal(s.recurrent[0], s0.recurrent[0])
     np.testing.assert_array_equal(s.conv[0], s0.conv[0])
     _, s_ref, _ = K.oracle_forward(p, cfg, x[1:, :2], jax.tree.map(lambda a: a[1:], s0))
-    np.testing.assert_allclose(s.conv[1:], s_ref.conv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s.conv[1:], s_ref.conv, **TOL["conv_state_vs_oracle"])
 
 
 def test_one_compilation_serves_every_length(rng):

@@ -34,7 +34,7 @@ def _same(got, want, what):
     if ON_GPU:
         np.testing.assert_array_equal(got, want, err_msg=what)
     else:
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=what)
+        np.testing.assert_allclose(got, want, **TOL["interpret_fused_vs_apart"], err_msg=what)
 
 
 def _inputs(key, rows):
