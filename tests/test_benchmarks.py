@@ -16,7 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["bench_decode", "bench_gemv", "bench_prefill", "decode_profile", "stage_profile"]
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize(
+    "name", [SCRIPTS[0], *(pytest.param(n, marks=pytest.mark.slow) for n in SCRIPTS[1:])]
+)
 def test_script_help(name):
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", f"{name}.py"), "--help"],

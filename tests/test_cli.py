@@ -18,6 +18,7 @@ from kda_jax.cli import main
 from kda_jax.hf import PREFIX
 
 
+@pytest.mark.slow
 def test_default_run_passes_and_prints_table(capsys):
     assert main(["--prompt", "40", "--decode", "5", "--verify", "3"]) == 0
     out = capsys.readouterr().out
@@ -170,7 +171,13 @@ def test_out_of_memory_at_run_time_is_one_line(monkeypatch, capsys):
     assert len(lines) == 1 and "out of memory" in lines[0] and "estimated at" in lines[0]
 
 
-@pytest.mark.parametrize("case", ["truncated checkpoint", "huge batch", "huge seed"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "truncated checkpoint",
+        *(pytest.param(c, marks=pytest.mark.slow) for c in ("huge batch", "huge seed")),
+    ],
+)
 def test_no_traceback_from_the_command(tmp_path, case):
     """The installed entry point end to end: exit status 2, one line on stderr."""
     cfg = K.preset("tiny")

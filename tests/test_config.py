@@ -84,6 +84,7 @@ def test_state_zeros_layout_and_checks():
         bad.check(cfg, 3)
 
 
+@pytest.mark.slow
 def test_init_params_realistic_scales():
     """Per-token decay spread over roughly [0.5, 0.999]; unit-scale projections."""
     for name in ("kimi-linear-48b", "kimi-linear-48b-bounded"):
