@@ -1,5 +1,6 @@
 # kda-jax: the two commands of the README are `make run` and `make test`.
 # Both create .venv with a Python >= 3.12 (found by scripts/find_python.sh) on first use.
+# `make test-fast` runs the tests not marked slow (about 3 minutes on 2 CPU cores).
 VENV := .venv
 PY := $(VENV)/bin/python
 # Extras installed into .venv; on an NVIDIA GPU machine: make test EXTRAS=test,notebooks,cuda13
@@ -7,10 +8,11 @@ EXTRAS ?= test,notebooks
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: setup run test test-gpu lint bench notebooks clean
+.PHONY: setup run test test-fast lint notebooks clean
 
 setup: $(STAMP)
 
+# Reinstalled when pyproject.toml changes (its dependencies may have).
 $(STAMP): pyproject.toml scripts/find_python.sh
 	@py=$$(scripts/find_python.sh) || exit 1; \
 	  echo "using $$py ($$($$py --version))"; \
@@ -25,6 +27,10 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+# Every test not marked `slow`: one case of each family, the slow parametrizations left to `test`.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

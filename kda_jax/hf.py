@@ -3,61 +3,225 @@
 A directory holds `config.json` and either `model.safetensors`, several `*.safetensors`, or a
 sharded set with `model.safetensors.index.json`. Tensor names carry the prefix
 `model.layers.{i}.self_attn.`; linears are torch `[out, in]`.
+
+Every tensor the layer needs is checked (present, in one file only, a floating dtype, the right
+shape) from the safetensors headers before any tensor is read; a problem raises
+`CheckpointError` naming the file, the tensor, what was found and what was expected.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import operator
 import os
 
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kda_jax.config import KdaConfig
 from kda_jax.params import KdaParams
 
-__all__ = ["load_hf_params", "load_hf_layer", "save_hf_checkpoint", "PREFIX"]
+__all__ = [
+    "CheckpointError",
+    "PREFIX",
+    "load_hf_layer",
+    "load_hf_params",
+    "read_hf_config",
+    "save_hf_checkpoint",
+]
 
 PREFIX = "model.layers.{i}.self_attn."
+INDEX = "model.safetensors.index.json"
 _FUSED_CONV_NAMES = ("qkv_conv1d.weight", "conv1d.weight")
+# Safetensors dtypes a weight may have; everything is cast to the block's dtypes on load.
+_FLOAT_DTYPES = ("BF16", "F16", "F32")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as a KDA block; the message names the file and tensor."""
+
+
+def _index(value, what: str) -> int:
+    """`value` as a Python int (np.int64 and other integer scalars included; bool is not)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what}={value!r} must be an int, not a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what}={value!r} must be an int") from None
+
+
+def _shapes_text(shapes) -> str:
+    return " or ".join(str(tuple(s)) for s in shapes)
 
 
 class _Checkpoint:
-    """Name -> file map over the safetensors files of a directory; reads tensors lazily."""
+    """Name -> file map over the safetensors files of a directory, from the headers only."""
 
     def __init__(self, path: str):
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            with open(index) as f:
-                wmap = json.load(f)["weight_map"]
-            self.files = {name: os.path.join(path, fn) for name, fn in wmap.items()}
-        else:
-            files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-            if not files:
-                raise FileNotFoundError(f"no *.safetensors files in {path!r}")
-            self.files = {}
-            for fn in files:
+        self.path = path
+        self._headers: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
+        index = os.path.join(path, INDEX)
+        self.index = index if os.path.isfile(index) else None
+        if self.index:
+            self.files = {
+                name: os.path.join(path, fn) for name, fn in _read_index(self.index).items()
+            }
+            return
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files (and no {INDEX}) in {path!r}")
+        self.files = {}
+        for fn in files:
+            for name in self._header(fn):
+                if name in self.files:
+                    raise CheckpointError(
+                        f"tensor {name!r} is in two files, {self.files[name]!r} and {fn!r}, and "
+                        f"no {INDEX} says which one holds it"
+                    )
+                self.files[name] = fn
+
+    def _header(self, fn: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """name -> (safetensors dtype, shape) of every tensor in `fn`, read once."""
+        if fn not in self._headers:
+            try:
                 with safe_open(fn, framework="numpy") as f:
-                    for name in f.keys():
-                        self.files[name] = fn
+                    self._headers[fn] = {
+                        n: (f.get_slice(n).get_dtype(), tuple(f.get_slice(n).get_shape()))
+                        for n in f.keys()
+                    }
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(
+                    f"{fn!r} is not a readable safetensors file (truncated or not safetensors): {e}"
+                ) from e
+        return self._headers[fn]
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.files
+    def names(self, prefix: str) -> list[str]:
+        """Every tensor name starting with `prefix`, without it."""
+        return sorted(n[len(prefix) :] for n in self.files if n.startswith(prefix))
 
-    def get(self, name: str) -> np.ndarray:
+    def meta(self, name: str) -> tuple[str, str, tuple[int, ...]]:
+        """(file, dtype, shape) of a tensor the map holds."""
+        fn = self.files[name]
+        if self.index and not os.path.isfile(fn):
+            raise CheckpointError(
+                f"{self.index!r} maps tensor {name!r} to {os.path.basename(fn)!r}, which does not "
+                f"exist in {self.path!r}"
+            )
+        header = self._header(fn)
+        if name not in header:
+            raise CheckpointError(
+                f"{self.index!r} maps tensor {name!r} to {fn!r}, which holds no such tensor"
+            )
+        return fn, *header[name]
+
+    def read(self, name: str) -> np.ndarray:
         """The tensor as numpy (bf16 arrives as ml_dtypes.bfloat16)."""
-        if name not in self.files:
-            raise KeyError(name)
-        with safe_open(self.files[name], framework="flax") as f:
-            return np.asarray(f.get_tensor(name))
+        fn = self.files[name]
+        try:
+            with safe_open(fn, framework="numpy") as f:
+                return np.asarray(f.get_tensor(name))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{fn!r}: cannot read tensor {name!r}: {e}") from e
 
 
-def _shape_error(name: str, expected: str, found) -> ValueError:
-    return ValueError(f"tensor {name!r}: expected shape {expected}, found {tuple(found)}")
+def _read_index(index: str) -> dict[str, str]:
+    """The weight_map of a `model.safetensors.index.json`, checked to map names to file names."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{index!r} is not a readable JSON index: {e}") from e
+    wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wmap, dict):
+        if not isinstance(doc, dict):
+            found = f"a JSON {type(doc).__name__}"
+        elif "weight_map" not in doc:
+            found = f"the keys {sorted(doc)[:8]}"
+        else:
+            found = f"a weight_map of type {type(wmap).__name__}"
+        raise CheckpointError(
+            f"{index!r} has no 'weight_map' object (tensor name -> file name); it holds {found}"
+        )
+    bad = [(n, fn) for n, fn in wmap.items() if not isinstance(fn, str) or not fn]
+    if bad:
+        raise CheckpointError(
+            f"{index!r}: weight_map must map tensor names to file names; found {bad[0][0]!r}: "
+            f"{bad[0][1]!r}"
+        )
+    return wmap
+
+
+def read_hf_config(path: str | os.PathLike) -> tuple[KdaConfig, dict]:
+    """The block's config and the raw `config.json` dict of the checkpoint directory `path`.
+
+    Raises:
+      FileNotFoundError: no such directory or no config.json in it.
+      CheckpointError: config.json is not JSON or does not describe a valid KDA block.
+    """
+    path = os.fspath(path)
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist (no config.json)")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{path!r} is not a checkpoint directory: no config.json in it")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{cfg_path!r} is not readable JSON: {e}") from e
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{cfg_path!r} holds a {type(hf).__name__}, expected an object")
+    try:
+        cfg = KdaConfig.from_hf_config(hf)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{cfg_path!r}: {e}") from e
+    return cfg, hf
+
+
+def _kda_layers(hf: dict, cfg_path: str) -> list[int] | None:
+    """0-based KDA layers from `linear_attn_config.kda_layers` (1-based); None when not listed."""
+    raw = hf.get("linear_attn_config", {}).get("kda_layers")
+    if raw is None:
+        return None
+    ok = isinstance(raw, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in raw
+    )
+    if not ok:
+        raise CheckpointError(
+            f"{cfg_path!r}: linear_attn_config.kda_layers={raw!r}, expected a list of 1-based "
+            "layer numbers"
+        )
+    return [i - 1 for i in raw]
+
+
+def _layer_spec(cfg: KdaConfig, conv_names: list[str]) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Short tensor name -> the shapes it may have (SPEC §6)."""
+    p, kd, d, h, w = cfg.qkv_dim, cfg.head_dim, cfg.hidden, cfg.heads, cfg.conv_kernel
+    spec: dict[str, tuple[tuple[int, ...], ...]] = {
+        "q_proj.weight": ((p, d),),
+        "k_proj.weight": ((p, d),),
+        "v_proj.weight": ((p, d),),
+        "f_a_proj.weight": ((kd, d),),
+        "f_b_proj.weight": ((p, kd),),
+        "g_a_proj.weight": ((kd, d),),
+        "g_b_proj.weight": ((p, kd),),
+        "b_proj.weight": ((h, d),),
+        "A_log": ((h,), (1, 1, h, 1)),
+        "dt_bias": ((p,), (h, kd)),
+        "o_norm.weight": ((kd,),),
+        "o_proj.weight": ((d, p),),
+    }
+    rows = 3 * p if len(conv_names) == 1 else p
+    for n in conv_names:
+        spec[n] = ((rows, 1, w), (rows, w))
+    return spec
+
+
+# The tensors only a KDA layer has (a full-attention layer also has q_proj and o_proj).
+_KDA_ONLY = ("A_log", "dt_bias", "f_a_proj.weight", "b_proj.weight", "q_conv1d.weight")
 
 
 def load_hf_params(
@@ -71,90 +235,99 @@ def load_hf_params(
 
     Args:
       path: checkpoint directory.
-      layer_idx: which block; must be a KDA layer when config.json lists `kda_layers`.
-      cfg: the block's config; default `KdaConfig.from_hf_config(path)`.
+      layer_idx: which block (an int, numpy integers included); must be a KDA layer when
+        config.json lists `kda_layers`.
+      cfg: the block's config; default `read_hf_config(path)`.
       dtype: dtype of the matrices; conv, A_log, dt_bias and o_norm are always fp32.
     Returns:
       (cfg, params).
     Raises:
-      ValueError / KeyError naming the tensor, the expected and the found shape.
+      FileNotFoundError: no directory, no config.json or no safetensors file.
+      CheckpointError (a ValueError): naming the file and tensor, the value found and the one
+        expected: a missing, misshaped, non-floating or duplicated tensor, a truncated or
+        unreadable file, a bad index, a layer that is not a KDA layer.
     """
     path = os.fspath(path)
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"{path!r} is not a checkpoint directory: no config.json in it")
-    with open(os.path.join(path, "config.json")) as f:
-        hf = json.load(f)
-    if cfg is None:
-        cfg = KdaConfig.from_hf_config(hf)
+    layer_idx = _index(layer_idx, "layer_idx")
+    hf_cfg, hf = read_hf_config(path)
+    cfg = hf_cfg if cfg is None else cfg
     cfg.validate()
-    kda_layers = KdaConfig.kda_layers(hf)
+    cfg_path = os.path.join(path, "config.json")
     n_layers = hf.get("num_hidden_layers")
-    if not isinstance(layer_idx, int) or layer_idx < 0 or (n_layers and layer_idx >= n_layers):
-        raise ValueError(f"layer_idx={layer_idx!r} must be an int in [0, {n_layers})")
-    if kda_layers and layer_idx not in kda_layers:
+    n_layers = n_layers if isinstance(n_layers, int) and n_layers > 0 else None
+    if layer_idx < 0 or (n_layers and layer_idx >= n_layers):
         raise ValueError(
-            f"layer {layer_idx} is not a KDA layer; config.json lists (0-based) {kda_layers}"
+            f"layer_idx={layer_idx} must be in [0, {n_layers if n_layers else 'num_layers'})"
+            + (f" ({cfg_path!r} has num_hidden_layers={n_layers})" if n_layers else "")
         )
+    kda_layers = _kda_layers(hf, cfg_path)
+    if kda_layers is not None and layer_idx not in kda_layers:
+        raise CheckpointError(
+            f"layer {layer_idx} is not a KDA layer: {cfg_path!r} lists the KDA layers as "
+            f"linear_attn_config.kda_layers (1-based) {[i + 1 for i in kda_layers]}, i.e. "
+            f"layer_idx (0-based) in {kda_layers}"
+        )
+
     ckpt = _Checkpoint(path)
     prefix = PREFIX.format(i=layer_idx)
-    p, kd, d, h, w = cfg.qkv_dim, cfg.head_dim, cfg.hidden, cfg.heads, cfg.conv_kernel
-
-    def get(short: str) -> np.ndarray:
-        name = prefix + short
-        if name not in ckpt:
-            raise KeyError(f"tensor {name!r} is missing from the checkpoint at {path!r}")
-        return ckpt.get(name)
-
-    def matrix(short: str, shape: tuple[int, int]) -> np.ndarray:
-        t = get(short + ".weight")
-        if t.shape != shape:
-            raise _shape_error(prefix + short + ".weight", shape, t.shape)
-        return t
-
-    def conv(t: np.ndarray, name: str, rows: int) -> np.ndarray:
-        if t.shape == (rows, 1, w):
-            t = t[:, 0]
-        if t.shape != (rows, w):
-            raise _shape_error(name, f"({rows}, 1, {w}) or ({rows}, {w})", t.shape)
-        return t.astype(np.float32)
-
-    fused = [n for n in _FUSED_CONV_NAMES if prefix + n in ckpt]
-    if fused:
-        conv_w = conv(get(fused[0]), prefix + fused[0], 3 * p)
-    else:
-        conv_w = np.concatenate(
-            [conv(get(f"{n}_conv1d.weight"), f"{prefix}{n}_conv1d.weight", p) for n in "qkv"]
+    have = set(ckpt.names(prefix))
+    if not have & set(_KDA_ONLY):
+        listed = "" if kda_layers is not None else "; config.json lists no kda_layers"
+        raise CheckpointError(
+            f"layer {layer_idx} of {path!r} is not a KDA layer: it has none of the KDA tensors "
+            f"{list(_KDA_ONLY)} (its tensors under {prefix!r}: {sorted(have)[:8] or 'none'})"
+            + listed
         )
-    a_log = get("A_log")
-    if a_log.shape not in ((h,), (1, 1, h, 1)):
-        raise _shape_error(prefix + "A_log", f"({h},) or (1, 1, {h}, 1)", a_log.shape)
-    dt_bias = get("dt_bias")
-    if dt_bias.shape not in ((p,), (h, kd)):
-        raise _shape_error(prefix + "dt_bias", f"({p},) or ({h}, {kd})", dt_bias.shape)
-    o_norm = get("o_norm.weight")
-    if o_norm.shape != (kd,):
-        raise _shape_error(prefix + "o_norm.weight", (kd,), o_norm.shape)
+    fused = [n for n in _FUSED_CONV_NAMES if n in have]
+    split = [f"{n}_conv1d.weight" for n in "qkv"]
+    if fused and any(n in have for n in split):
+        raise CheckpointError(
+            f"layer {layer_idx} of {path!r} holds both a fused conv ({prefix}{fused[0]}) and split "
+            "q/k/v_conv1d weights; expected one layout"
+        )
+    spec = _layer_spec(cfg, fused[:1] or split)
+    missing = [n for n in spec if n not in have]
+    if missing:
+        where = f"the weight_map of {ckpt.index!r}" if ckpt.index else f"the checkpoint at {path!r}"
+        conv = set(split) & set(missing)
+        hint = f" (or one fused {prefix}{_FUSED_CONV_NAMES[0]} in their place)" if conv else ""
+        raise CheckpointError(
+            f"layer {layer_idx}: tensor(s) {[prefix + n for n in missing]} missing from {where}"
+            + hint
+        )
+    for short, shapes in spec.items():
+        name = prefix + short
+        fn, dt, shape = ckpt.meta(name)
+        if dt not in _FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{fn!r}: tensor {name!r} has dtype {dt}, expected a floating dtype "
+                f"({', '.join(_FLOAT_DTYPES)})"
+            )
+        if shape not in shapes:
+            raise CheckpointError(
+                f"{fn!r}: tensor {name!r} has shape {shape}, expected {_shapes_text(shapes)} "
+                f"(hidden={cfg.hidden}, heads={cfg.heads}, head_dim={cfg.head_dim}, "
+                f"conv_kernel={cfg.conv_kernel})"
+            )
+
+    # Every tensor is known good: read them.
+    t = {short: ckpt.read(prefix + short) for short in spec}
+    h, p, w = cfg.heads, cfg.qkv_dim, cfg.conv_kernel
+    conv_w = np.concatenate([t[n].reshape(-1, w).astype(np.float32) for n in (fused[:1] or split)])
     w_in = np.concatenate(
-        [
-            matrix("q_proj", (p, d)),
-            matrix("k_proj", (p, d)),
-            matrix("v_proj", (p, d)),
-            matrix("f_a_proj", (kd, d)),
-            matrix("g_a_proj", (kd, d)),
-            matrix("b_proj", (h, d)),
-        ]
+        [t[f"{n}_proj.weight"] for n in ("q", "k", "v", "f_a", "g_a", "b")], dtype=np.float32
     )
-    mat = lambda a: jnp.asarray(a).astype(dtype)  # noqa: E731
+    mat = lambda a: jnp.asarray(np.asarray(a, np.float32)).astype(dtype)  # noqa: E731
     f32 = lambda a: jnp.asarray(np.asarray(a, np.float32))  # noqa: E731
     params = KdaParams(
         w_in=mat(w_in),
-        f_b=mat(matrix("f_b_proj", (p, kd))),
-        g_b=mat(matrix("g_b_proj", (p, kd))),
+        f_b=mat(t["f_b_proj.weight"]),
+        g_b=mat(t["g_b_proj.weight"]),
         conv_w=f32(conv_w),
-        a_log=f32(a_log.reshape(h)),
-        dt_bias=f32(dt_bias.reshape(p)),
-        o_norm_w=f32(o_norm),
-        o_proj=mat(matrix("o_proj", (d, p))),
+        a_log=f32(t["A_log"].reshape(h)),
+        dt_bias=f32(t["dt_bias"].reshape(p)),
+        o_norm_w=f32(t["o_norm.weight"]),
+        o_proj=mat(t["o_proj.weight"]),
     )
     params.check(cfg)
     return cfg, params
@@ -201,6 +374,14 @@ def save_hf_checkpoint(
     from kda_jax.params import in_proj_slices
 
     path = os.fspath(path)
+    layer_idx = _index(layer_idx, "layer_idx")
+    shards = _index(shards, "shards")
+    if conv_layout not in ("split3d", "split2d", "fused"):
+        raise ValueError(f"conv_layout={conv_layout!r}, expected split3d, split2d or fused")
+    if a_log_shape not in ("kimi", "flat"):
+        raise ValueError(f"a_log_shape={a_log_shape!r}, expected kimi or flat")
+    if layer_idx < 0 or shards < 1:
+        raise ValueError(f"{layer_idx=} must be >= 0 and {shards=} >= 1")
     os.makedirs(path, exist_ok=True)
     p_, h, w = cfg.qkv_dim, cfg.heads, cfg.conv_kernel
     sl = in_proj_slices(cfg)
@@ -218,15 +399,13 @@ def save_hf_checkpoint(
     conv = np_(params.conv_w)
     if conv_layout == "fused":
         t["qkv_conv1d.weight"] = conv[:, None, :]
-    elif conv_layout in ("split3d", "split2d"):
+    else:
         for i, n in enumerate("qkv"):
             part = conv[i * p_ : (i + 1) * p_]
             t[f"{n}_conv1d.weight"] = part[:, None, :] if conv_layout == "split3d" else part
-    else:
-        raise ValueError(f"conv_layout={conv_layout!r}, expected split3d, split2d or fused")
     tensors = {prefix + k: np.ascontiguousarray(v) for k, v in t.items()}
     names = sorted(tensors)
-    if shards <= 1:
+    if shards == 1:
         save_file(tensors, os.path.join(path, "model.safetensors"))
     else:
         wmap = {}
@@ -235,7 +414,7 @@ def save_hf_checkpoint(
             part = {n: tensors[n] for n in names[s::shards]}
             save_file(part, os.path.join(path, fn))
             wmap.update({n: fn for n in part})
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        with open(os.path.join(path, INDEX), "w") as f:
             json.dump({"metadata": {}, "weight_map": wmap}, f, indent=1)
     lac = dict(
         num_heads=h, head_dim=cfg.head_dim, short_conv_kernel_size=w, kda_layers=[layer_idx + 1]

@@ -91,7 +91,14 @@ def _assert_finite(*xs):
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "chunk, lower_bound",
-    [(16, None), (16, -5.0), (32, None), (32, -5.0), (32, -8.0), (64, None)],
+    [
+        pytest.param(16, None, marks=pytest.mark.slow),
+        pytest.param(16, -5.0, marks=pytest.mark.slow),
+        (32, None),
+        pytest.param(32, -5.0, marks=pytest.mark.slow),
+        pytest.param(32, -8.0, marks=pytest.mark.slow),
+        pytest.param(64, None, marks=pytest.mark.slow),
+    ],
     ids=[
         "c16-unbounded",
         "c16-bounded",
@@ -115,6 +122,7 @@ def test_prepare_matches_reference(rng, chunk, lower_bound):
         assert_close(g, w, FP32_TOL, f"chunk_prepare.{name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
 def test_prepare_diagonal_at_block_edges(rng, lower_bound):
     """The diagonal kernel where a sequence ends at its edges: one token, at the end of the
@@ -127,6 +135,7 @@ def test_prepare_diagonal_at_block_edges(rng, lower_bound):
         assert_close(getattr(got, name), getattr(want, name), FP32_TOL, f"chunk_prepare.{name}")
 
 
+@pytest.mark.slow
 def test_prepare_bf16_storage(rng):
     """bf16 inputs and intermediates (the production path) against the fp32-math reference."""
     args = _prep_args(_inputs(rng, dtype=bf16))
@@ -137,6 +146,7 @@ def test_prepare_bf16_storage(rng):
         assert_close(getattr(got, name), getattr(want, name), TOL["bf16_stage"], name)
 
 
+@pytest.mark.slow
 def test_prepare_fused_l2(rng):
     """Raw q, k normalised in the kernel (the benchmark's FLA-like entry) == pre-normalised."""
     q, k, v, f, beta, lengths, a_log, dt_bias = _prep_args(_inputs(rng))
@@ -147,6 +157,7 @@ def test_prepare_fused_l2(rng):
         assert_close(getattr(got, name), getattr(want, name), FP32_TOL, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "blk",
     [
@@ -174,6 +185,7 @@ def test_prepare_column_slices(rng, lower_bound, blk):
         assert_close(getattr(got, name), getattr(want, name), FP32_TOL, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "lower_bound, block_k",
     [(None, 64), (None, 128), (-5.0, 64)],
@@ -230,6 +242,7 @@ def test_prepare_rejects_bad_block_k(rng, name):
         )
 
 
+@pytest.mark.slow
 def test_prepare_strong_decay_is_finite_and_exact(rng):
     """Unbounded gate with per-token log-decay down to about -50: no exp overflow anywhere."""
     inp = _inputs(rng, decay="strong")
@@ -244,6 +257,7 @@ def test_prepare_strong_decay_is_finite_and_exact(rng):
         assert_close(getattr(got, name), getattr(want, name), FP32_TOL, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
 def test_prepare_inverse_vs_float64_solve(rng, lower_bound):
     """(I+L)^-1 against a float64 solve, on an ill-conditioned chunk (correlated keys, beta near
@@ -291,13 +305,13 @@ def test_prepare_inverse_vs_float64_solve(rng, lower_bound):
         # paths applies. (Held to the CPU criterion below, the H200 run of 2026-11-30 failed.)
         assert err_kernel < TOL["fp32_gpu"]
     else:
-        assert err_kernel < max(4.0 * err_fp32, 1e-6)
+        assert err_kernel < max(TOL["solve_vs_fp32_solve"] * err_fp32, TOL["solve_floor"])
 
 
 # ----------------------------------------------------------------------------------------------
 # chunk_scan
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mm_dtype", [f32, bf16])
+@pytest.mark.parametrize("mm_dtype", [f32, pytest.param(bf16, marks=pytest.mark.slow)])
 def test_scan_matches_reference(rng, mm_dtype):
     """The state pass over the reference's own intermediates, from a carried state."""
     inp = _inputs(rng)
@@ -312,6 +326,7 @@ def test_scan_matches_reference(rng, mm_dtype):
     assert_close(s, s_ref, tol, "chunk_scan state")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("blk", [ScanBlockSizes(16, 4, 2), ScanBlockSizes(32, 4, 3)])
 def test_scan_tilings_match_reference(rng, blk):
     """Both kinds of default tiling (V split into tiles; the whole V in one tile, three stages)
@@ -336,7 +351,9 @@ def test_scan_rejects_bad_state(rng):
 # ----------------------------------------------------------------------------------------------
 # prefill_core
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
+@pytest.mark.parametrize(
+    "lower_bound", [pytest.param(None, marks=pytest.mark.slow), -5.0], ids=["unbounded", "bounded"]
+)
 def test_prefill_core_matches_reference_and_token_loop(rng, lower_bound):
     inp = _inputs(rng)
     kw = dict(scale=K**-0.5, chunk=16, lower_bound=lower_bound, eps=EPS, out_dtype=f32)
@@ -363,6 +380,7 @@ def test_prefill_core_strong_decay_vs_token_loop(rng):
     assert_close(s, s_loop, FP32_TOL, "strong decay state")
 
 
+@pytest.mark.slow
 def test_prefill_core_split_equals_whole(rng):
     """Prefill of T tokens == prefill of the first half, then of the rest from the carried state."""
     inp = _inputs(rng, b=1, lengths=[T], poison=False)
@@ -382,6 +400,7 @@ def test_prefill_core_split_equals_whole(rng):
     assert_close(s2, s, FP32_TOL, "split state")
 
 
+@pytest.mark.slow
 def test_chunk_kda_zero_length_keeps_state(rng):
     inp = _inputs(rng, lengths=[0, 5])
     q, k, v, f, beta, _, state, lengths, a_log, dt_bias, _ = inp
@@ -474,7 +493,7 @@ def test_prepare_lowers_for_h200(lower_bound):
 # ----------------------------------------------------------------------------------------------
 # Compiled on a GPU: the production bf16 path at T = 4096, Kimi-Linear heads
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.skipif(not ON_GPU, reason="compiled-kernel accuracy at T=4096 needs a GPU")
+@pytest.mark.gpu(reason="compiled-kernel accuracy at T=4096 needs a GPU")
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
 @pytest.mark.parametrize("decay", ["moderate", "weak"])
 @pytest.mark.parametrize("chunk", [32, 64])
@@ -490,7 +509,7 @@ def test_prefill_core_bf16_t4096_on_gpu(rng, lower_bound, decay, chunk):
     print(f"bf16 prefill_core T={t} C={chunk}: rel RMS y {err_y:.2e}, state {err_s:.2e}")
 
 
-@pytest.mark.skipif(not ON_GPU, reason="compiled-kernel check needs a GPU")
+@pytest.mark.gpu(reason="compiled-kernel check needs a GPU")
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
 @pytest.mark.parametrize("chunk", [32, 64])
 def test_prefill_core_strong_decay_on_gpu(rng, lower_bound, chunk):
@@ -504,7 +523,7 @@ def test_prefill_core_strong_decay_on_gpu(rng, lower_bound, chunk):
     assert_close(s, s_ref, TOL["bf16_stage"], "strong decay state")
 
 
-@pytest.mark.skipif(not ON_GPU, reason="compiled stage checks need a GPU")
+@pytest.mark.gpu(reason="compiled stage checks need a GPU")
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
 @pytest.mark.parametrize("chunk", [32, 64])
 def test_stages_fp32_on_gpu(rng, lower_bound, chunk):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import TOL
 
 import kda_jax as K
 
@@ -16,8 +17,8 @@ def test_presets_and_derived_sizes():
     assert (cfg.qkv_dim, cfg.conv_dim, cfg.qk_channels) == (4096, 12288, 8192)
     assert cfg.in_proj_dim == 12288 + 256 + 32
     # SPEC §9: one block's weights are 78.9 MB in bf16, the state 2.1 MB per sequence.
-    assert abs(cfg.weight_bytes() / 1e6 - 78.9) < 0.1
-    assert abs(4 * 32 * 128 * 128 / 1e6 - 2.1) < 0.01
+    assert abs(cfg.weight_bytes() / 1e6 - 78.9) < TOL["spec_weight_mb"]
+    assert abs(4 * 32 * 128 * 128 / 1e6 - 2.1) < TOL["spec_state_mb"]
     assert cfg.state_bytes() == 4 * (32 * 128 * 128 + 3 * 12288)
     hash(cfg)  # static jit argument
     with pytest.raises(AttributeError):
@@ -83,6 +84,7 @@ def test_state_zeros_layout_and_checks():
         bad.check(cfg, 3)
 
 
+@pytest.mark.slow
 def test_init_params_realistic_scales():
     """Per-token decay spread over roughly [0.5, 0.999]; unit-scale projections."""
     for name in ("kimi-linear-48b", "kimi-linear-48b-bounded"):
@@ -100,7 +102,9 @@ def test_init_params_realistic_scales():
             lower_bound=cfg.gate_lower_bound,
         )
         decay = jnp.exp(g)
-        assert 0.4 < float(decay.min()) < 0.6 and 0.995 < float(decay.max()) < 1.0, name
+        (lo, hi), (lo2, hi2) = TOL["init_decay_min"], TOL["init_decay_max"]
+        assert lo < float(decay.min()) < hi and lo2 < float(decay.max()) < hi2, name
         x = jax.random.normal(jax.random.key(1), (16, cfg.hidden), jnp.bfloat16)
         y = (x @ p.w_in.T).astype(jnp.float32)
-        assert 0.7 < float(jnp.std(y)) < 1.3
+        lo, hi = TOL["init_proj_std"]
+        assert lo < float(jnp.std(y)) < hi

@@ -24,7 +24,10 @@ def _taps(key):
     return w.at[:, -1].add(1.0)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7])  # 7: three programs per tile, the last one short
+# 7: three programs per tile, the last one short
+@pytest.mark.parametrize(
+    "rows", [pytest.param(1, marks=pytest.mark.slow), 3, pytest.param(7, marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_conv_decode_matches_reference(rng, rows, dtype):
     kx, ks, kw = jax.random.split(rng, 3)
@@ -46,9 +49,10 @@ def test_conv_decode_matches_reference(rng, rows, dtype):
     np.testing.assert_array_equal(new1, new_state)
     # q and k heads are unit vectors, v is not normalised.
     norms = jnp.linalg.norm(out.reshape(B, rows, 3 * H, K), axis=-1)
-    np.testing.assert_allclose(norms[..., : 2 * H], 1.0, rtol=1e-4)
+    np.testing.assert_allclose(norms[..., : 2 * H], 1.0, **TOL["kernel_unit_norm"])
 
 
+@pytest.mark.slow
 def test_conv_decode_rows_equal_serial_bits(rng):
     """Row r of a 7-row call == the 1-row call fed the state after row r-1, bit for bit (rows
     0-2 in the program that reads the carried state and writes the new one, rows 3-5 in a
@@ -75,7 +79,7 @@ def test_conv_decode_programs_per_tile(rng):
         assert plan.slots == slots and plan.programs == B * plan.tiles * slots, (rows, plan.slots)
 
 
-@pytest.mark.parametrize("batch,rows", [(1, 1), (B, 3)])
+@pytest.mark.parametrize("batch,rows", [pytest.param(1, 1, marks=pytest.mark.slow), (B, 3)])
 def test_conv_decode_splits_equal_unsplit_bits(rng, batch, rows):
     """splits=(P, P, P): q, k, v written apart by the kernel, with the bits of the one-array
     call's columns, and the reference's split (within fp32 rounding); bad splits are refused."""
@@ -123,7 +127,7 @@ def test_conv_decode_accepts_a_bf16_state(rng):
     np.testing.assert_array_equal(new_state, new_ref)
 
 
-@pytest.mark.parametrize("pad_value", [np.nan, 1e30])
+@pytest.mark.parametrize("pad_value", [np.nan, pytest.param(1e30, marks=pytest.mark.slow)])
 def test_conv_prefill_matches_reference_with_poisoned_pad(rng, pad_value):
     """Carried state, lengths below W-1, 0 and T; pad positions hold NaN or 1e30."""
     t = 77 if ON_GPU else 13  # not a multiple of the time tile
@@ -142,7 +146,7 @@ def test_conv_prefill_matches_reference_with_poisoned_pad(rng, pad_value):
     np.testing.assert_array_equal(new_state, new_state_ref)
 
 
-@pytest.mark.parametrize("t", [0, 77])
+@pytest.mark.parametrize("t", [0, pytest.param(77, marks=pytest.mark.slow)])
 def test_conv_prefill_splits_equal_unsplit_bits(rng, t):
     """splits=(P, P, P): q, k, v written apart by the kernel with the bits of the one-array
     call's columns (NaN-poisoned pads, a length below W-1, an empty T; T = 77 spans two time
@@ -183,6 +187,7 @@ def test_conv_prefill_then_decode_equals_longer_prefill(rng):
     np.testing.assert_array_equal(new_state, full_state)
 
 
+@pytest.mark.slow
 def test_conv_prefill_out_dtype(rng):
     kx, ks, kw = jax.random.split(rng, 3)
     x = normal(kx, (B, 5, C))
@@ -194,6 +199,7 @@ def test_conv_prefill_out_dtype(rng):
     assert_close(out, out_ref, TOL["bf16_stage"], "conv_prefill bf16 out")
 
 
+@pytest.mark.slow
 def test_conv_tiles_of_several_heads(rng):
     """H = 4: 12 head groups, so each program owns several heads (the CPU default H = 3 gives
     9 groups, one per program); carried state, poisoned pad."""

@@ -69,6 +69,7 @@ def test_config_refuses_more_pairs_than_keys():
         recall.RecallConfig(vocab=64, num_pairs=40)
 
 
+@pytest.mark.slow
 def test_forward_shapes_and_states(model):
     tokens, _, _ = recall.make_batch(SMALL, jax.random.key(0))
     logits, states = model(tokens)
@@ -84,6 +85,7 @@ def test_forward_shapes_and_states(model):
     assert step_logits.shape == (SMALL.batch, SMALL.vocab)
 
 
+@pytest.mark.slow
 def test_gradients_reach_every_kda_weight(model):
     batch = recall.make_batch(SMALL, jax.random.key(1))
     grads = nnx.jit(nnx.grad(lambda m, b: recall.loss_and_accuracy(m, *b)[0]))(model, batch)
@@ -94,6 +96,7 @@ def test_gradients_reach_every_kda_weight(model):
             assert np.abs(g).max() > 0, f"layer {i} {name}: zero gradient"
 
 
+@pytest.mark.slow
 def test_decode_loop_reproduces_prefill_logits(model):
     tokens, _, _ = recall.make_batch(SMALL, jax.random.key(2))
     prefill_logits, prefill_states = model(tokens)
@@ -109,6 +112,7 @@ def test_decode_loop_reproduces_prefill_logits(model):
     assert rel_rms(tail_logits, prefill_logits[:, half:]) < FP32_TOL
 
 
+@pytest.mark.slow
 def test_answer_by_decoding_matches_a_python_loop(model):
     tokens, _, _ = recall.make_batch(SMALL, jax.random.key(5))
     n = SMALL.num_pairs
@@ -125,6 +129,7 @@ def test_answer_by_decoding_matches_a_python_loop(model):
     assert got.shape == (SMALL.batch, n)
 
 
+@pytest.mark.slow
 def test_a_few_training_steps_lower_the_loss():
     cfg = dataclasses.replace(SMALL, steps=20, lr=1e-2, warmup=5, batch=16)
     _, history = recall.train(cfg, eval_every=10, log=None)

@@ -51,8 +51,13 @@ def _exact_rows(got_rows, want_rows, what):
 # --------------------------------------------------------------------------------------------
 # Correctness against the reference
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("n,d", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 8, 13, 64])
+@pytest.mark.parametrize(
+    "n,d", [SHAPES[0], *(pytest.param(*s, marks=pytest.mark.slow) for s in SHAPES[1:])]
+)
+@pytest.mark.parametrize(
+    "m",
+    [1, pytest.param(3, marks=pytest.mark.slow), 8, pytest.param(13, marks=pytest.mark.slow), 64],
+)
 @pytest.mark.parametrize("w_dtype", [BF16, F32])
 def test_proj_matches_reference(rng, n, d, m, w_dtype):
     x, w = _inputs(rng, n, d, m, F32, w_dtype)
@@ -81,8 +86,8 @@ def test_x_is_cast_to_weight_dtype_first(rng):
 # --------------------------------------------------------------------------------------------
 # gemv_batchm rows == gemv rows, bit for bit (what makes decode_k equal serial decodes)
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("n,d", SHAPES[:2])
-@pytest.mark.parametrize("w_dtype", [BF16, F32])
+@pytest.mark.parametrize("n,d", [SHAPES[0], pytest.param(*SHAPES[1], marks=pytest.mark.slow)])
+@pytest.mark.parametrize("w_dtype", [BF16, pytest.param(F32, marks=pytest.mark.slow)])
 def test_batchm_rows_equal_gemv_bits(rng, n, d, w_dtype):
     ms = range(2, 9) if ON_GPU else (2, 5, 8)
     x8, w = _inputs(rng, n, d, 8, BF16, w_dtype)
@@ -189,6 +194,7 @@ def test_lowers_for_h200(n, d, m):
         assert f"grid_x = {common.cdiv(n, bs.block_n)} " in text, "unexpected grid"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split_d", [2, 4])
 def test_split_reduction_matches_reference_and_keeps_row_bits(rng, split_d):
     """D split over programs (o_proj's tiling): same result, and rows still M-independent."""
@@ -215,7 +221,9 @@ def test_default_splits_o_proj_only():
 W_IN_SPLITS = (3 * 4096, 128, 128, 32) if ON_GPU else (96, 16, 16, 5)
 
 
-@pytest.mark.parametrize("m", [1, 5, 8, 11, 64, 65])
+@pytest.mark.parametrize(
+    "m", [*(pytest.param(m, marks=pytest.mark.slow) for m in (1, 8, 11, 64)), 5, 65]
+)
 def test_splits_match_reference_and_row_bits(rng, m):
     """Each segment equals the reference's columns; kernel rows (M <= 8) keep their bits across M;
     every kernel path (M <= 64) equals the unsplit kernel's bits (the segment is only where a
@@ -237,7 +245,9 @@ def test_splits_match_reference_and_row_bits(rng, m):
             _exact_rows(got[i][-1:], one[i], f"segment {i}: last row of M={m} vs M=1")
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 12, 64, 65])
+@pytest.mark.parametrize(
+    "m", [*(pytest.param(m, marks=pytest.mark.slow) for m in (1, 3, 12, 64)), 8, 65]
+)
 def test_proj_many_matches_reference_and_gemv_bits(rng, m):
     """Two weights in one launch (f_b, g_b): each output equals its own gemv bit for bit, and the
     reference within fp32 rounding."""

@@ -39,6 +39,7 @@ def _weight(key):
     return normal(key, (N, D), BF16, scale=D**-0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m", [1, 5, 16])
 def test_matches_reference_and_keeps_row_bits(rng, m):
     kx, kw = jax.random.split(rng)
@@ -58,6 +59,7 @@ def test_matches_reference_and_keeps_row_bits(rng, m):
             np.testing.assert_array_equal(_bits(g[i : i + 1]), _bits(o), f"row {i} of M={m}")
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered:RuntimeWarning")
 def test_non_finite_rows_stay_in_their_rows(rng):
     """The in-kernel transpose multiplies every row by 0 for every other row: a NaN or an inf

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import kda_jax as K
@@ -30,6 +31,7 @@ def test_module_methods_equal_functional_core():
     np.testing.assert_array_equal(y_len[0], y[0])
 
 
+@pytest.mark.slow
 def test_module_params_are_nnx_state_and_trainable():
     cfg = K.preset("tiny")
     blk = K.KimiDeltaAttention(cfg, rngs=nnx.Rngs(0), backend="xla", dtype=jnp.float32)

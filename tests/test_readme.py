@@ -29,6 +29,7 @@ def test_readme_has_python_blocks():
     assert len(BLOCKS) >= 4, f"expected the quick-start snippets in {README}, found {len(BLOCKS)}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line,source", BLOCKS, ids=[f"line{line}" for line, _ in BLOCKS])
 def test_readme_block_runs(line, source, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -52,7 +52,7 @@ def _fused_inputs(key, rows, dtype):
     return q, k, v, f, b, state, a_log, dt_bias
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [pytest.param(1, marks=pytest.mark.slow), 3])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_fused_recurrent_matches_reference(rng, rows, dtype):
     args = _fused_inputs(rng, rows, dtype)
@@ -71,7 +71,9 @@ def test_fused_recurrent_matches_reference(rng, rows, dtype):
 
 @pytest.mark.parametrize("block", BLOCKS, ids=["fused_norm", "split_v"])
 @pytest.mark.parametrize("lower_bound", GATES, ids=["unbounded", "bounded"])
-@pytest.mark.parametrize("rows,dtype", [(1, jnp.float32), (3, jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "rows,dtype", [pytest.param(1, jnp.float32, marks=pytest.mark.slow), (3, jnp.bfloat16)]
+)
 def test_decode_core_matches_reference(rng, block, lower_bound, rows, dtype):
     args = _core_inputs(rng, rows, dtype)
     kw = dict(scale=SCALE, lower_bound=lower_bound, eps=EPS, snapshots=True)
@@ -83,6 +85,7 @@ def test_decode_core_matches_reference(rng, block, lower_bound, rows, dtype):
     assert_close(snaps, snaps_ref, FP32_TOL, "snapshots")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lower_bound", GATES, ids=["unbounded", "bounded"])
 def test_decode_core_public_bf16_out(rng, lower_bound):
     args = _core_inputs(rng, 2, jnp.bfloat16)
@@ -118,7 +121,11 @@ def test_fused_recurrent_tilings(rng, block, lower_bound):
     assert_close(new_state, state_ref, FP32_TOL, "state")
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=["fused_norm", "split_v"])
+@pytest.mark.parametrize(
+    "block",
+    [BLOCKS[0], pytest.param(BLOCKS[1], marks=pytest.mark.slow)],
+    ids=["fused_norm", "split_v"],
+)
 def test_decode_core_rows_equal_serial_bits(rng, block):
     """decode_k's promise: an R-row call == R serial 1-row calls, bit for bit, snapshots too."""
     rows = 3
