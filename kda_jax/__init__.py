@@ -9,7 +9,7 @@ __version__ = "0.1.0"  # as pyproject.toml's [project] version
 
 from kda_jax.config import PRESETS, KdaConfig, preset
 from kda_jax.forward import decode, decode_k, prefill
-from kda_jax.hf import load_hf_layer, load_hf_params, save_hf_checkpoint
+from kda_jax.hf import CheckpointError, load_hf_layer, load_hf_params, save_hf_checkpoint
 from kda_jax.module import KimiDeltaAttention
 from kda_jax.oracle import STAGES, oracle_forward
 from kda_jax.params import KdaParams, init_params
@@ -28,6 +28,7 @@ __all__ = [
     "decode",
     "decode_k",
     "KimiDeltaAttention",
+    "CheckpointError",
     "load_hf_layer",
     "load_hf_params",
     "save_hf_checkpoint",

@@ -196,7 +196,7 @@ def test_decode_step_launches_five_kernels_and_copies_nothing(batch, rows):
     """One decode (or k-row verify) step on the kernel path is five Pallas launches (w_in with its
     four outputs, conv with f_b | g_b beside it, recurrence, RMSNorm, o_proj) and slices no
     projection or conv output (each kernel writes the arrays the next one reads): every extra
-    XLA op between them was a ~1 us kernel on the H200 (benchmarks/NOTES.md). Up to 16
+    XLA op between them was a ~1 us kernel on the H200 (docs/performance.md). Up to 16
     projection rows w_in is the Mosaic GPU kernel (`gemv_mgpu`), the other four Triton; at
     B = 64 (64 projection rows) all five are Triton."""
     cfg = K.preset("kimi-linear-48b")
