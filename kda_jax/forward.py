@@ -1,8 +1,9 @@
 """The block's forward (SPEC §1, §3): `prefill`, `decode`, `decode_k`, written once.
 
-Each entry point is a jitted pure function of (params, cfg, inputs, state); `cfg`, `backend`
-and `return_stages` are static. The backend is resolved in `kda_jax.backends` and supplies the
-stage functions; nothing here depends on which one runs.
+Each entry point checks its arguments (SPEC §10), then runs a jitted pure function of (params,
+cfg, inputs, state) with `cfg`, `backend`, `interpret` and `return_stages` static. The backend is
+resolved in `kda_jax.backends` and supplies the stage functions; nothing here depends on which
+one runs.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from kda_jax import backends
 from kda_jax.config import KdaConfig
 from kda_jax.params import KdaParams, in_proj_slices
 from kda_jax.state import KdaState
+from pallas_kernels.gemv import MAX_TILE_ROWS
 
 __all__ = ["MAX_DECODE_ROWS", "prefill", "decode", "decode_k"]
 
 # Rows (B * k) one pallas decode or verify call can take: the projections' largest row tile.
-MAX_DECODE_ROWS = 64
+MAX_DECODE_ROWS = MAX_TILE_ROWS
 
 _STATIC = ("cfg", "backend", "interpret", "return_stages")
 
