@@ -1,6 +1,6 @@
 # kda-jax: the two commands of the README are `make run` and `make test`.
 # Both create .venv with a Python >= 3.12 (found by scripts/find_python.sh) on first use.
-# `make test-fast` runs the tests not marked slow (about 3 minutes on 2 CPU cores).
+# `make test-fast` runs the tests not marked slow (about 3.5 minutes on 2 CPU cores).
 VENV := .venv
 PY := $(VENV)/bin/python
 # Extras installed into .venv; on an NVIDIA GPU machine: make test EXTRAS=test,notebooks,cuda13

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import kda_jax as K
 
 _COMMON = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
-settings.register_profile("ci", max_examples=6, **_COMMON)
+settings.register_profile("ci", max_examples=4, **_COMMON)
 settings.register_profile("nightly", max_examples=150, **_COMMON)
 settings.load_profile(os.environ.get("KDA_HYPOTHESIS_PROFILE", "ci"))
 # The pallas backend runs in interpret mode on a CPU: a third of the examples.
