@@ -117,7 +117,6 @@ def fla_layer_prefill_us(layer, b: int, t: int, reps: int = 7, calls: int = 10) 
     """µs per `layer(x)` call, x [B, T, D] bf16 random, no gradients: `eager` (`calls`
     back-to-back calls between CUDA events, median of `reps`) and `graph` (the same calls
     replayed as one CUDA graph)."""
-    import statistics
 
     import torch
 
@@ -130,17 +129,12 @@ def fla_layer_prefill_us(layer, b: int, t: int, reps: int = 7, calls: int = 10) 
         for _ in range(3):
             call()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
+
+        def eager_calls():
             for _ in range(calls):
                 call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / calls)
-    eager = statistics.median(times)
+
+        eager = _event_us(eager_calls, reps) / calls
     graph = cuda_graph_us(call, reps, calls)
     return dict(eager=round(eager, 2), graph=round(graph, 2))
 
@@ -184,7 +178,6 @@ def cuda_graph_us(call, reps: int, calls: int = 20) -> float:
     """Median us per call of a PyTorch callable: `calls` calls captured in one CUDA graph,
     replayed `reps` times under torch.inference_mode() (how SPEC §9 timed FLA). Warm-up (and
     Triton autotuning) runs on a side stream before capture."""
-    import statistics
 
     import torch
 
@@ -205,17 +198,27 @@ def cuda_graph_us(call, reps: int, calls: int = 20) -> float:
                 call()
         graph.replay()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / calls)
+        us = _event_us(graph.replay, reps) / calls
     del graph
     torch.cuda.empty_cache()
+    return us
+
+
+def _event_us(run, reps: int) -> float:
+    """Median µs of `run()` between two CUDA events, over `reps` runs."""
+    import statistics
+
+    import torch
+
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
 
 

@@ -17,13 +17,10 @@ import numpy as np
 from kda_jax import backends
 from kda_jax.config import KdaConfig
 from kda_jax.params import KdaParams, in_proj_slices
-from kda_jax.state import KdaState
+from kda_jax.state import KdaState, concrete
 from pallas_kernels.gemv import MAX_TILE_ROWS
 
-__all__ = ["MAX_DECODE_ROWS", "prefill", "decode", "decode_k"]
-
-# Rows (B * k) one pallas decode or verify call can take: the projections' largest row tile.
-MAX_DECODE_ROWS = MAX_TILE_ROWS
+__all__ = ["prefill", "decode", "decode_k"]
 
 _STATIC = ("cfg", "backend", "interpret", "return_stages")
 
@@ -61,10 +58,10 @@ def _check_backend(backend: str, what: str, rows: int | None = None) -> None:
             f"{what}: the pallas backend does not run with jax_enable_x64 on (its kernels index "
             "in int32); use backend='xla' or turn x64 off"
         )
-    if rows is not None and rows > MAX_DECODE_ROWS:
+    if rows is not None and rows > MAX_TILE_ROWS:  # the projections' largest row tile
         raise ValueError(
             f"{what}: {rows} rows (B * k) exceed the pallas backend's decode limit of "
-            f"{MAX_DECODE_ROWS}; use backend='xla' for larger batches"
+            f"{MAX_TILE_ROWS}; use backend='xla' for larger batches"
         )
 
 
@@ -335,10 +332,7 @@ def _check_lengths(lengths, b_: int, t: int) -> jax.Array:
             f"prefill: lengths has shape {lengths.shape} and dtype {lengths.dtype}, "
             f"expected [{b_}] integers"
         )
-    try:
-        vals = np.asarray(lengths)
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-        vals = None  # traced: clipped below
+    vals = concrete(lengths)  # None under jit: clipped below
     if vals is not None and ((vals < 0) | (vals > t)).any():
         raise ValueError(f"prefill: lengths {vals.tolist()} must lie in [0, T={t}]")
     return jnp.clip(lengths.astype(jnp.int32), 0, t)

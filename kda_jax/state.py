@@ -66,6 +66,14 @@ def as_count(value, name: str) -> int:
     return value
 
 
+def concrete(a) -> np.ndarray | None:
+    """`a`'s values where they are known (outside jit), else None: what can be checked eagerly."""
+    try:
+        return np.asarray(a)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return None
+
+
 def select_snapshot(
     snapshots: KdaState, index: jax.Array, before: KdaState | None = None
 ) -> KdaState:
@@ -98,10 +106,7 @@ def select_snapshot(
         got = tuple(before.recurrent.shape), tuple(before.conv.shape)
         if got != want:
             raise ValueError(f"select_snapshot: before has shapes {got}, expected {want}")
-    try:
-        vals = np.asarray(index)
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-        vals = None  # traced: checked by value below
+    vals = concrete(index)  # None under jit: checked by value below
     if vals is not None:
         out = (vals < lo) | (vals >= k)
         if out.any():

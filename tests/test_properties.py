@@ -18,11 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOL, assert_close
+from conftest import ON_GPU, TOL, assert_close
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kda_jax as K
+
+FP32_TOL = TOL["fp32_gpu"] if ON_GPU else TOL["fp32_cpu"]  # TF32 dots on a GPU
 
 _COMMON = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
 settings.register_profile("ci", max_examples=4, **_COMMON)
@@ -113,9 +115,9 @@ def test_forward_equals_token_oracle(backend):
                 np.testing.assert_array_equal(s.recurrent[row], s0.recurrent[row])
                 np.testing.assert_array_equal(s.conv[row], s0.conv[row])
                 continue
-            assert_close(y[row, :n], y_ref[0], TOL["fp32_cpu"], f"row {row} output")
-            assert_close(s.recurrent[row], s_ref.recurrent[0], TOL["fp32_cpu"], "state")
-            assert_close(s.conv[row], s_ref.conv[0], TOL["fp32_cpu"], "conv state")
+            assert_close(y[row, :n], y_ref[0], FP32_TOL, f"row {row} output")
+            assert_close(s.recurrent[row], s_ref.recurrent[0], FP32_TOL, "state")
+            assert_close(s.conv[row], s_ref.conv[0], FP32_TOL, "conv state")
 
     check()
 
@@ -128,9 +130,9 @@ def test_split_prefill_equals_whole(case, data):
     y, s = K.prefill(p, cfg, x, s0, backend="xla")
     y1, s1 = K.prefill(p, cfg, x[:, :cut], s0, backend="xla")
     y2, s2 = K.prefill(p, cfg, x[:, cut:], s1, backend="xla")
-    assert_close(jnp.concatenate([y1, y2], 1), y, TOL["fp32_cpu"], "output")
-    assert_close(s2.recurrent, s.recurrent, TOL["fp32_cpu"], "state")
-    assert_close(s2.conv, s.conv, TOL["fp32_cpu"], "conv state")
+    assert_close(jnp.concatenate([y1, y2], 1), y, FP32_TOL, "output")
+    assert_close(s2.recurrent, s.recurrent, FP32_TOL, "state")
+    assert_close(s2.conv, s.conv, FP32_TOL, "conv state")
 
 
 @given(cases(), st.integers(1, 4))
@@ -143,9 +145,9 @@ def test_prefill_then_decodes_equals_one_prefill(case, n):
     for i in range(t - n, t):
         yi, state = K.decode(p, cfg, x[:, i], state, backend="xla")
         ys.append(yi)
-    assert_close(jnp.stack(ys, 1), y[:, t - n :], TOL["fp32_cpu"], "decoded outputs")
-    assert_close(state.recurrent, s.recurrent, TOL["fp32_cpu"], "state")
-    assert_close(state.conv, s.conv, TOL["fp32_cpu"], "conv state")
+    assert_close(jnp.stack(ys, 1), y[:, t - n :], FP32_TOL, "decoded outputs")
+    assert_close(state.recurrent, s.recurrent, FP32_TOL, "state")
+    assert_close(state.conv, s.conv, FP32_TOL, "conv state")
 
 
 @pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
@@ -169,7 +171,7 @@ def test_decode_k_equals_serial_decode(backend):
                 if backend == "pallas":
                     np.testing.assert_array_equal(got, want)
                 else:  # XLA's dot may sum B*k rows in another order than B rows
-                    assert_close(got, want, TOL["fp32_cpu"], f"row {i}")
+                    assert_close(got, want, FP32_TOL, f"row {i}")
         np.testing.assert_array_equal(s_last.recurrent, snaps.recurrent[:, -1])
 
     check()

@@ -10,9 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOL, assert_close
+from conftest import ON_GPU, TOL, assert_close
 
 import kda_jax as K
+
+FP32_TOL = TOL["fp32_gpu"] if ON_GPU else TOL["fp32_cpu"]  # TF32 dots on a GPU
 
 GATES = ["tiny", "tiny-bounded"]
 BACKENDS = ["xla", "pallas"]
@@ -50,7 +52,7 @@ def test_nonfinite_pads_give_finite_gradients(name, poison, rng):
     assert _all_finite(dirty)
     np.testing.assert_array_equal(dirty[1][1, 23:], 0.0)
     for got, want in zip(jax.tree.leaves(dirty), jax.tree.leaves(clean), strict=True):
-        assert_close(got, want, TOL["fp32_cpu"], "grad with poisoned pads")
+        assert_close(got, want, FP32_TOL, "grad with poisoned pads")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -67,7 +69,7 @@ def test_nonfinite_token_stays_causal_and_in_its_row(name, poison, backend, rng)
     np.testing.assert_array_equal(y[1], y_ref[1])
     np.testing.assert_array_equal(s.recurrent[1], s_ref.recurrent[1])
     np.testing.assert_array_equal(s.conv[1], s_ref.conv[1])
-    assert_close(y[0, :bad], y_ref[0, :bad], TOL["fp32_cpu"], "outputs before the bad token")
+    assert_close(y[0, :bad], y_ref[0, :bad], FP32_TOL, "outputs before the bad token")
     assert bool(jnp.isnan(y[0, bad:]).all())
     assert bool(jnp.isnan(s.recurrent[0]).all()) and bool(jnp.isnan(s.conv[0]).all())
 
@@ -86,7 +88,7 @@ def test_nonfinite_token_gradients_stay_causal(rng):
     dirty = grad(p, x.at[0, 21].set(jnp.nan))
     assert _all_finite(dirty)
     for got, want in zip(jax.tree.leaves(dirty), jax.tree.leaves(clean), strict=True):
-        assert_close(got, want, TOL["fp32_cpu"], "grad of outputs before the NaN")
+        assert_close(got, want, FP32_TOL, "grad of outputs before the NaN")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -215,8 +217,8 @@ def test_x64_runs_on_xla_and_is_refused_clearly_on_pallas(rng):
         y, s = K.prefill(p, cfg, x, s0, backend="xla")
         with pytest.raises(NotImplementedError, match="jax_enable_x64"):
             K.prefill(p, cfg, x, s0, backend="pallas")
-    assert_close(y, y_ref, TOL["fp32_cpu"], "x64 output")
-    assert_close(s.recurrent, s_ref.recurrent, TOL["fp32_cpu"], "x64 state")
+    assert_close(y, y_ref, FP32_TOL, "x64 output")
+    assert_close(s.recurrent, s_ref.recurrent, FP32_TOL, "x64 state")
 
 
 def test_wrong_argument_types_are_named(rng):
