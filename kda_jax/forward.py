@@ -217,9 +217,10 @@ def decode_k(
       y [B, k, D]; the state after the last row; snapshots, a KdaState whose leaves carry a row
       axis ([B, k, H, K, V] and [B, k, W-1, conv_dim]): the state after each row. A caller that
       accepts a of the k tokens resumes from `select_snapshot(snapshots, a - 1)`.
-    On the pallas backend the results equal k serial `decode` calls bit for bit when B * k <= 8
-    (`pallas_kernels.gemv.MAX_KERNEL_ROWS`: the projections' rows share one tiling); with more
-    rows the projections take the 9..64-row tiling and agree within rounding.
+    On the pallas backend, compiled, the results equal k serial `decode` calls bit for bit when
+    B * k <= 8 (`pallas_kernels.gemv.MAX_KERNEL_ROWS`: the projections' rows share one tiling);
+    with more rows, and in interpret mode (XLA's CPU compiler contracts multiply-adds per call
+    site), they agree within fp32 rounding.
     """
     _check_cfg(cfg, "decode_k")
     return _decode_k(

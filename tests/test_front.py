@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ON_GPU, TOL, assert_close, lower_for_h200, normal
+from conftest import ON_GPU, TOL, assert_close, assert_same_program, lower_for_h200, normal
 
 from pallas_kernels import gemv
 from pallas_kernels.conv import conv_decode
@@ -23,18 +23,6 @@ C, QK, P = 3 * H * K, 2 * H * K, H * K
 N = P if ON_GPU else 100
 KW = dict(qk_channels=QK, head_dim=K, l2_eps=1e-6)
 FP32_TOL = TOL["fp32_gpu"] if ON_GPU else TOL["fp32_cpu"]
-
-
-def _same(got, want, what):
-    """Compiled, the fused launch runs the same Triton code as the launches apart: the same
-    bits. In interpret mode XLA's CPU compiler builds each pallas_call on its own and contracts
-    multiply-adds differently per program (1-ulp differences in fp32), so there the check is
-    fp32 round-off."""
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    if ON_GPU:
-        np.testing.assert_array_equal(got, want, err_msg=what)
-    else:
-        np.testing.assert_allclose(got, want, **TOL["interpret_fused_vs_apart"], err_msg=what)
 
 
 def _inputs(key, rows):
@@ -78,12 +66,12 @@ def test_decode_front_matches_reference_and_the_kernels_apart(rng, rows, snapsho
     )(x, state, w)
     ys_a = jax.jit(gemv.proj_many)(xs, ws)
     for i in range(3):
-        _same(out[i], out_a[i], f"conv out {i}")
+        assert_same_program(out[i], out_a[i], f"conv out {i}")
     np.testing.assert_array_equal(new_state, new_a)
     if snapshots:
         np.testing.assert_array_equal(states, states_a)
     for i in range(2):
-        _same(ys[i], ys_a[i], f"projection {i}")
+        assert_same_program(ys[i], ys_a[i], f"projection {i}")
 
 
 @pytest.mark.parametrize("rows", [1, pytest.param(7, marks=pytest.mark.slow)])
