@@ -308,11 +308,15 @@ def _prefill(params, cfg, x, state, lengths, *, backend, interpret, return_stage
         # Gradients flow through this backend: zero the rows the block ignores, or the
         # projections' backward would multiply their zero cotangents by NaN (dW = x^T dy).
         x = jnp.where((pos < ok[:, None])[..., None], x, 0)
+    # The real tokens past `ok` output NaN. On the pallas backend o_norm writes NaN there and
+    # o_proj carries it through; the xla backend selects after o_proj instead, since o_proj's
+    # backward multiplies its input by the (zero) cotangents.
+    poison = lengths if backend == "pallas" else None
     out, new_state, stages = _prefill_rows(
-        params, cfg, x, state, ok, backend, interpret, return_stages
+        params, cfg, x, state, ok, poison, backend, interpret, return_stages
     )
-    # After o_proj, not before: its backward multiplies its input by the (zero) cotangents.
-    out = jnp.where((real & (pos >= ok[:, None]))[..., None], jnp.nan, out)
+    if backend == "xla":
+        out = jnp.where((real & (pos >= ok[:, None]))[..., None], jnp.nan, out)
     poisoned = ok < lengths
     new_state = jax.tree.map(
         lambda a: jnp.where(poisoned.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.nan, a), new_state
@@ -339,9 +343,9 @@ def _check_lengths(lengths, b_: int, t: int) -> jax.Array:
     return jnp.clip(lengths.astype(jnp.int32), 0, t)
 
 
-def _prefill_rows(params, cfg, x, state, ok, backend, interpret, return_stages):
+def _prefill_rows(params, cfg, x, state, ok, poison, backend, interpret, return_stages):
     """The block over x [B, T, D] whose tokens below `ok` are real (and finite); the others
-    touch nothing and output 0."""
+    touch nothing and output 0, or NaN below `poison` (None: nowhere)."""
     b_, t, _ = x.shape
     st = backends.stages(backend, interpret=interpret)
     qkv, f_a, g_a, b = _in_proj(st, params, cfg, x.reshape(b_ * t, -1))
@@ -376,6 +380,7 @@ def _prefill_rows(params, cfg, x, state, ok, backend, interpret, return_stages):
         lower_bound=cfg.gate_lower_bound,
         eps=cfg.rms_norm_eps,
         out_dtype=params.dtype,
+        poison=poison,
     )
     out = st.proj(y.reshape(b_ * t, cfg.qkv_dim), params.o_proj).reshape(b_, t, cfg.hidden)
     new_state = KdaState(recurrent=rec, conv=conv_state)

@@ -110,17 +110,21 @@ def prefill_core(
     lower_bound: float | None,
     eps: float,
     out_dtype=jnp.bfloat16,
+    poison: jax.Array | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Gate, beta, chunked recurrence and gated RMSNorm over T padded tokens.
 
     The kernel path of `reference.prefill_core_reference`: positions t >= lengths[b] leave the
-    state alone and output 0, whatever q, k, v, f, b, z hold there.
+    state alone and output 0 (NaN below `poison[b]`), whatever q, k, v, f, b, z hold there.
+    o passes between the scan and the norm in the intermediates' dtype (bf16 unless the block
+    runs in fp32): the norm's input needs no more than its output keeps.
 
     Args:
       q, k, v: [B, T, H, K] from conv_prefill (q, k L2-normalised).
       f: [B, T, P]; b: [B, T, H]; z: [B, T, P]; state: [B, H, K, V] fp32; lengths: [B] int32.
       a_log: [H]; dt_bias: [P]; o_norm_w: [V].
+      poison: optional [B] int32 >= lengths, as in the reference.
       interpret: run the kernels in Pallas interpret mode (None: when there is no GPU).
     Returns:
       y: [B, T, P] out_dtype; new_state: [B, H, K, V] fp32.
@@ -140,8 +144,9 @@ def prefill_core(
         chunk=chunk,
         lower_bound=lower_bound,
         mm_dtype=matmul_dtype(out_dtype),
+        o_dtype=matmul_dtype(out_dtype),
         interpret=interpret,
     )
-    keep = common.output_keep(lengths, t)  # z may be NaN at pads: replaced, not scaled
+    keep = common.output_keep(lengths, t, poison)  # z may be NaN at pads: replaced, not scaled
     y = o_norm(o, z, o_norm_w, eps=eps, keep=keep, out_dtype=out_dtype, interpret=interpret)
     return y, new_state

@@ -67,6 +67,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def output_keep(lengths: jax.Array, t: int) -> jax.Array:
-    """[B, T] fp32 for `o_norm`'s keep: 1 below lengths, 0 at the pads."""
-    return (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.float32)
+def output_keep(lengths: jax.Array, t: int, poison: jax.Array | None = None) -> jax.Array:
+    """[B, T] fp32 for `o_norm`'s keep: 1 below lengths, NaN from lengths to `poison` ([B],
+    the row's real length when a non-finite token cut `lengths` short), 0 at the pads."""
+    pos = jnp.arange(t)[None, :]
+    keep = (pos < lengths[:, None]).astype(jnp.float32)
+    if poison is None:
+        return keep
+    return jnp.where((pos >= lengths[:, None]) & (pos < poison[:, None]), jnp.nan, keep)

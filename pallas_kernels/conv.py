@@ -8,10 +8,10 @@ reshape), and a program owns `block_heads` whole groups, so the L2 reduction nev
 Groups `< qk_channels / K` are q or k heads; a tile may straddle the q|k|v boundaries. A row's
 output depends on the last W raw inputs only: conv_decode gives every W-1 rows of a verify a
 program of their own per (sequence, channel tile), the first of which alone reads the carried
-state; conv_prefill walks a tile's rows in order, carrying the W-1 previous raw inputs in
-registers. Every row, in decode and prefill alike, goes through `_conv_row`, the one place the
-arithmetic order is fixed, so R rows of one `conv_decode` call give the bits of R serial 1-row
-calls.
+state; conv_prefill computes an interior time tile as one tile from W shifted loads of x, and
+walks the rows of the first tile (which reads the carried state) and of a short last one.
+Every row is summed in `_conv_row`'s order, the one place the arithmetic order is fixed, so R
+rows of one `conv_decode` call give the bits of R serial 1-row calls.
 
 conv_decode and conv_prefill can hand their output back as separate channel ranges (`splits`:
 q, k, v, each written by the programs whose tiles fall in it, so the block never copies slices
@@ -50,7 +50,7 @@ class ConvBlockSizes:
 
     Attributes:
       block_heads: head groups (of K channels) per program, a power of two dividing C/K.
-      block_t: rows per program along T (prefill only; any positive int).
+      block_t: rows per program along T (prefill only), a power of two.
       num_warps: Triton warps per program.
     """
 
@@ -59,25 +59,22 @@ class ConvBlockSizes:
     num_warps: int = 4
 
     def __post_init__(self):
-        for name in ("block_heads", "num_warps"):
+        for name in ("block_heads", "block_t", "num_warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"ConvBlockSizes.{name}={v}: expected a power of two >= 1")
-        if self.block_t < 1:
-            raise ValueError(f"ConvBlockSizes.block_t={self.block_t}: expected >= 1")
 
     @staticmethod
     def get_default(t: int, groups: int, head_dim: int) -> ConvBlockSizes:
         """Decode (t = 1): 256-channel tiles, 4 warps, at every B (many small programs: faster
         than 1K-channel tiles at B = 64, and B = 1 still gets 48 programs); prefill (t = T):
-        ~1K channels x 64 rows per program. conv_decode passes t = 1 whatever R is, so R never
-        changes the tiling (bit-equality with serial calls)."""
+        256 channels x 16 rows per program (4K values as one tile; not yet timed on a GPU).
+        conv_decode passes t = 1 whatever R is, so R never changes the tiling (bit-equality
+        with serial calls)."""
         divisor = groups & -groups
         if t <= 1:
             return ConvBlockSizes(block_heads=min(divisor, max(1, 256 // head_dim)))
-        return ConvBlockSizes(
-            block_heads=min(divisor, max(1, 1024 // head_dim)), block_t=min(64, t)
-        )
+        return ConvBlockSizes(block_heads=min(divisor, max(1, 256 // head_dim)), block_t=16)
 
 
 def _conv_row(window, x_row, taps, qk_mask, l2_eps):
@@ -462,7 +459,7 @@ def conv_decode(
 
 def _conv_prefill_kernel(
     len_ref,  # [1] int32, this sequence's length
-    x_ref,  # [T, HB, K], the whole sequence (rows loaded one at a time)
+    x_ref,  # [T, HB, K], the whole sequence
     state_ref,  # [W-1, HB, K]
     *refs,  # W taps [HB, K]; per segment out [T, HB, K]; new state [W-1, HB, K]
     width,
@@ -472,8 +469,11 @@ def _conv_prefill_kernel(
     l2_eps,
     tiles,
 ):
-    """Rows of one time tile of channel tile j of one sequence (`tiles`: as in
-    `_conv_decode_program`)."""
+    """Rows t0 .. t0 + block_t - 1 of channel tile j of one sequence (`tiles`: as in
+    `_conv_decode_program`). An interior tile (its W-1 previous rows and all its rows inside x)
+    computes its rows as one [block_t, HB, K] tile from W shifted loads of x; the first tile
+    (which reads the old state) and a short last one walk their rows, carrying the window in
+    registers. Both add the taps in `_conv_row`'s order."""
     tap_refs, out_refs, new_state_ref = refs[:width], refs[width:-1], refs[-1]
     j = pl.program_id(1)  # read here: interpret mode cannot see program_id inside pl.when
     length = len_ref[0]
@@ -481,6 +481,22 @@ def _conv_prefill_kernel(
     qk_mask = _qk_mask(x_ref.shape[1], qk_groups, j)
     t0 = pl.program_id(2) * block_t
     dtype = out_refs[0].dtype
+    # Static: a sequence shorter than one tile and its window has no interior tile.
+    interior = jnp.bool_(False)
+    if t_total >= block_t + width - 1:
+        interior = (t0 >= width - 1) & (t0 + block_t <= t_total)
+
+        @pl.when(interior)
+        def _():
+            y = taps[0] * x_ref[pl.ds(t0 - (width - 1), block_t)].astype(f32)
+            for i in range(1, width):
+                y = y + taps[i] * x_ref[pl.ds(t0 - (width - 1) + i, block_t)].astype(f32)
+            y = y * jax.nn.sigmoid(y)
+            inv = lax.rsqrt(jnp.sum(y * y, axis=-1, keepdims=True) + l2_eps)
+            y = jnp.where(qk_mask[None], y * inv, y)
+            rows = t0 + lax.broadcasted_iota(jnp.int32, (block_t, 1, 1), 0)
+            y = jnp.where(rows < length, y, 0.0).astype(dtype)
+            _store_segment(out_refs, tiles, j, pl.ds(t0, block_t), y)
 
     def raw(pos):
         """Raw input at position pos (>= -(W-1)) as fp32: from x, or from the old conv state
@@ -489,24 +505,27 @@ def _conv_prefill_kernel(
         from_state = state_ref[jnp.clip(pos + width - 1, 0, width - 2)].astype(f32)
         return jnp.where(pos >= 0, from_x, from_state)
 
-    def row(i, window):
-        t = t0 + i
-        x_row = x_ref[jnp.minimum(t, t_total - 1)].astype(f32)
-        y = _conv_row(window, x_row, taps, qk_mask, l2_eps)
+    @pl.when(~interior)
+    def _():
+        def row(i, window):
+            t = t0 + i
+            x_row = x_ref[jnp.minimum(t, t_total - 1)].astype(f32)
+            y = _conv_row(window, x_row, taps, qk_mask, l2_eps)
 
-        @pl.when(t < t_total)
-        def _():
-            _store_segment(out_refs, tiles, j, t, jnp.where(t < length, y, 0.0).astype(dtype))
+            @pl.when(t < t_total)
+            def _():
+                y_t = jnp.where(t < length, y, 0.0).astype(dtype)
+                _store_segment(out_refs, tiles, j, t, y_t)
 
-        return (*window[1:], x_row)
+            return (*window[1:], x_row)
 
-    window = tuple(raw(t0 - (width - 1) + j) for j in range(width - 1))
-    lax.fori_loop(0, block_t, row, window)
+        window = tuple(raw(t0 - (width - 1) + i) for i in range(width - 1))
+        lax.fori_loop(0, block_t, row, window)
 
     @pl.when(pl.program_id(2) == 0)
     def _():
-        for j in range(width - 1):
-            new_state_ref[j] = raw(length - (width - 1) + j)
+        for i in range(width - 1):
+            new_state_ref[i] = raw(length - (width - 1) + i)
 
 
 def conv_prefill(

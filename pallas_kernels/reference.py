@@ -479,15 +479,18 @@ def prefill_core_reference(
     lower_bound: float | None,
     eps: float,
     out_dtype=jnp.bfloat16,
+    poison: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Gate, beta, chunked recurrence and gated RMSNorm over T padded tokens.
 
     Positions t >= lengths[b] get g = 0, beta = 0 and k = q = v = 0 (selected, so NaN there is
-    harmless): they leave the state alone, and their output is 0.
+    harmless): they leave the state alone, and their output is 0, or NaN below `poison[b]`.
 
     Args:
       q, k, v: [B, T, H, K] from conv_prefill (q, k L2-normalised).
       f: [B, T, P]; b: [B, T, H]; z: [B, T, P]; state: [B, H, K, V] fp32; lengths: [B] int32.
+      poison: optional [B] int32 >= lengths: positions lengths[b] <= t < poison[b] output NaN
+        (the real tokens from a row's first non-finite one on).
     Returns:
       y: [B, T, P] out_dtype; new_state: [B, H, K, V] fp32.
     """
@@ -498,7 +501,7 @@ def prefill_core_reference(
     q, k, v, g = (jnp.where(vm, a.astype(f32), 0.0) for a in (q, k, v, g))
     beta = jnp.where(valid[..., None], beta, 0.0)
     o, new_state = chunk_kda_reference(q, k, v, g, beta, state, scale=scale, chunk=chunk)
-    keep = common.output_keep(lengths, t)
+    keep = common.output_keep(lengths, t, poison)
     return o_norm_reference(o, z, o_norm_w, eps=eps, keep=keep, out_dtype=out_dtype), new_state
 
 

@@ -127,9 +127,12 @@ def test_conv_decode_accepts_a_bf16_state(rng):
     np.testing.assert_array_equal(new_state, new_ref)
 
 
+# 4-row tiles on 13 rows: the first tile (carried state), two interior tiles, a short last one
+@pytest.mark.parametrize("block_t", [None, 4])
 @pytest.mark.parametrize("pad_value", [np.nan, pytest.param(1e30, marks=pytest.mark.slow)])
-def test_conv_prefill_matches_reference_with_poisoned_pad(rng, pad_value):
-    """Carried state, lengths below W-1, 0 and T; pad positions hold NaN or 1e30."""
+def test_conv_prefill_matches_reference_with_poisoned_pad(rng, pad_value, block_t):
+    """Carried state, lengths below W-1, 0, inside an interior tile and T; pad positions hold
+    NaN or 1e30."""
     t = 77 if ON_GPU else 13  # not a multiple of the time tile
     lengths = jnp.array([t, 2, 0, 9], jnp.int32)
     kx, ks, kw = jax.random.split(rng, 3)
@@ -138,7 +141,8 @@ def test_conv_prefill_matches_reference_with_poisoned_pad(rng, pad_value):
     x = jnp.where(pad, jnp.asarray(pad_value, x.dtype), x)
     state = normal(ks, (len(lengths), W - 1, C))
     w = _taps(kw)
-    out, new_state = conv_prefill(x, state, w, lengths, **KW)
+    blk = None if block_t is None else ConvBlockSizes(block_heads=1, block_t=block_t)
+    out, new_state = conv_prefill(x, state, w, lengths, **KW, block_sizes=blk)
     out_ref, new_state_ref = conv_prefill_reference(x, state, w, lengths, **KW)
     assert out.shape == x.shape and out.dtype == jnp.float32
     assert np.all(np.asarray(out)[np.broadcast_to(np.asarray(pad), out.shape)] == 0.0)
