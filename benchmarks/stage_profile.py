@@ -1,12 +1,14 @@
 """Stage times of the chunked prefill at H=32 (B=1, T=8192 by default), both gates, for tuning:
-the whole core (chunk_kda) against FLA 0.6.0 chunk_kda in the same process, chunk_prepare and
-chunk_scan alone over the block sizes given, with --fla FLA's kernels one by one and with
---kernels ours (torch.profiler: CUPTI lists XLA's kernels too).
+the whole core (chunk_kda) against FLA 0.6.0 chunk_kda in the same process, chunk_prepare,
+chunk_scan and the block's conv_prefill (C = 3 x 4096 channels) alone over the block sizes
+given, with --fla FLA's kernels one by one and with --kernels ours (torch.profiler: CUPTI lists
+XLA's kernels too).
 
     python benchmarks/stage_profile.py --out PATH [--b B] [--t T] [--chunk C] [--fla] [--kernels]
                                        [--gates bounded,unbounded]
                                        [--configs default,num_stages=2+wu_stages=2 | none]
                                        [--scan-configs 32x4x2,64x4x2 | none]
+                                       [--conv-configs 16x2x4,32x1x4 | none]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
 from bench_prefill import (  # noqa: E402
+    BANDWIDTH,
     L2_EPS,
     LB,
     _core_step,
@@ -42,6 +45,7 @@ from decode_profile import profile_case  # noqa: E402
 from kda_jax.config import DEFAULT_CHUNK  # noqa: E402
 from pallas_kernels.chunk_prepare import PrepareBlockSizes, chunk_prepare  # noqa: E402
 from pallas_kernels.chunk_scan import ScanBlockSizes, chunk_scan  # noqa: E402
+from pallas_kernels.conv import ConvBlockSizes, conv_prefill  # noqa: E402
 
 
 def prepare_block_sizes(config: str) -> PrepareBlockSizes:
@@ -86,6 +90,14 @@ def main():
         ),
         default=[(32, 4, 2)],
         help="chunk_scan block_v x num_warps x num_stages list, e.g. 32x4x2,64x4x2; none: skip",
+    )
+    parser.add_argument(
+        "--conv-configs",
+        type=lambda x: (
+            [] if x == "none" else [tuple(int(v) for v in c.split("x")) for c in x.split(",")]
+        ),
+        default=[],
+        help="conv_prefill block_t x block_heads x num_warps list, e.g. 16x2x4,32x1x4",
     )
     parser.add_argument(
         "--gates", default="bounded,unbounded", help="which gates to time, e.g. unbounded"
@@ -167,6 +179,19 @@ def main():
                 None,
                 None,
             )
+    for bt, hb, warps in args.conv_configs:
+        run = conv_run(b, t, ConvBlockSizes(block_heads=hb, block_t=bt, num_warps=warps))
+        common.run_case(
+            records,
+            meta,
+            "conv_prefill",
+            f"B={b},T={t},C={3 * h * kd}",
+            f"block_t={bt},heads={hb},warps={warps}",
+            run,
+            2 * b * t * 3 * h * kd * 2 / BANDWIDTH * 1e6,  # bf16 in and out
+            None,
+            None,
+        )
     if not args.scan_configs:
         return
     inter = chunk_prepare(
@@ -202,6 +227,22 @@ def main():
             None,
             None,
         )
+
+
+def conv_run(b: int, t: int, blk: ConvBlockSizes, h: int = 32, kd: int = 128):
+    """A timer of the block's conv_prefill (bf16 q|k|v in and out, split into q, k, v) at this
+    tiling; the conv state chains the calls."""
+    c = 3 * h * kd
+    x = jax.random.normal(jax.random.key(1), (b, t, c), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(2), (c, 4), jnp.float32)
+    state = jax.random.normal(jax.random.key(3), (b, 3, c), jnp.float32)
+    lengths = jnp.full((b,), t, jnp.int32)
+    kw = dict(qk_channels=2 * h * kd, head_dim=kd, l2_eps=L2_EPS, out_dtype=jnp.bfloat16)
+
+    def step(s):
+        return conv_prefill(x, s, w, lengths, **kw, splits=(h * kd,) * 3, block_sizes=blk)[1]
+
+    return functools.partial(common.time_loop, step, state, 10, 3)
 
 
 if __name__ == "__main__":
