@@ -385,7 +385,10 @@ def chunk_kda_reference(
         return jnp.moveaxis(a, 1, 0)  # [N, B, H, C, ...]
 
     xs = tuple(to_chunks(a) for a in (q, k, v, g, beta))
-    new_state, o = lax.scan(lambda s, x: _chunk_step(s, x, scale), state.astype(f32), xs)
+    # Rematerialised per chunk: a backward pass keeps each chunk's input state, not its [C, C]
+    # and [C, K] intermediates (the forward alone compiles to the same program).
+    step = jax.checkpoint(lambda s, x: _chunk_step(s, x, scale))
+    new_state, o = lax.scan(step, state.astype(f32), xs)
     o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, V]
     o = jnp.moveaxis(o, 2, 3).reshape(b, n * chunk, h, -1)[:, :t]
     return o, new_state
