@@ -68,13 +68,16 @@ class ConvBlockSizes:
     def get_default(t: int, groups: int, head_dim: int) -> ConvBlockSizes:
         """Decode (t = 1): 256-channel tiles, 4 warps, at every B (many small programs: faster
         than 1K-channel tiles at B = 64, and B = 1 still gets 48 programs); prefill (t = T):
-        256 channels x 16 rows per program (4K values as one tile; not yet timed on a GPU).
+        256 channels x 16 rows per program at 8 warps (4K values as one tile, 64 registers with
+        no spills by ptxas for sm_90a; not yet timed on a GPU).
         conv_decode passes t = 1 whatever R is, so R never changes the tiling (bit-equality
         with serial calls)."""
         divisor = groups & -groups
         if t <= 1:
             return ConvBlockSizes(block_heads=min(divisor, max(1, 256 // head_dim)))
-        return ConvBlockSizes(block_heads=min(divisor, max(1, 256 // head_dim)), block_t=16)
+        return ConvBlockSizes(
+            block_heads=min(divisor, max(1, 256 // head_dim)), block_t=16, num_warps=8
+        )
 
 
 def _conv_row(window, x_row, taps, qk_mask, l2_eps):

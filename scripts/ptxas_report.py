@@ -37,6 +37,7 @@ from kda_jax.params import init_params  # noqa: E402
 from kda_jax.state import KdaState  # noqa: E402
 from pallas_kernels.chunk_prepare import ChunkIntermediates, chunk_prepare  # noqa: E402
 from pallas_kernels.chunk_scan import chunk_scan  # noqa: E402
+from pallas_kernels.conv import conv_prefill  # noqa: E402
 
 BF16 = jnp.bfloat16
 # Kimi-Linear head geometry at the default chunk width; a few chunks are enough for the code
@@ -71,6 +72,17 @@ def _scan():
     return fn, (inter, jnp.zeros((B, H, K, K)))
 
 
+def _conv_prefill():
+    """The block's conv_prefill (q|k|v of the Kimi-Linear preset, bf16 in and out)."""
+    c = 3 * H * K
+    x = jnp.zeros((B, T, c), BF16)
+    fn = lambda x, s, w, n: conv_prefill(  # noqa: E731
+        x, s, w, n, qk_channels=2 * H * K, head_dim=K, l2_eps=1e-6, out_dtype=BF16,
+        splits=(H * K,) * 3, interpret=False,
+    )  # fmt: skip
+    return fn, (x, jnp.zeros((B, 3, c)), jnp.zeros((c, 4)), jnp.full((B,), T, jnp.int32))
+
+
 def _decode(batch, rows=None):
     """The whole block's decode step (every decode kernel), Kimi-Linear preset, bf16 weights; with
     `rows`, the verify step (decode_k) of that many rows instead."""
@@ -92,6 +104,7 @@ CASES = {
     "prepare-bounded": lambda: _prepare(-5.0),
     "prepare-unbounded": lambda: _prepare(None),
     "scan": _scan,
+    "conv-prefill": _conv_prefill,
     "decode-b1": lambda: _decode(1),
     "decode-b64": lambda: _decode(64),
     "verify-k8": lambda: _decode(1, rows=8),

@@ -14,6 +14,7 @@ import ptxas_report  # noqa: E402
 
 from pallas_kernels.chunk_prepare import PrepareBlockSizes  # noqa: E402
 from pallas_kernels.chunk_scan import ScanBlockSizes  # noqa: E402
+from pallas_kernels.conv import ConvBlockSizes  # noqa: E402
 
 # The launch parameters each kernel must carry: the block sizes' defaults at K = V = 128.
 _BLK = PrepareBlockSizes.get_default(128, 128)
@@ -29,6 +30,10 @@ _PREPARE = [
     "case, kernels",
     [
         ("scan", [("kda_chunk_scan", _SCAN.num_warps, _SCAN.num_stages)]),
+        (
+            "conv-prefill",
+            [("kda_conv_prefill", ConvBlockSizes.get_default(2, 96, 128).num_warps, 2)],
+        ),
         ("prepare-bounded", _PREPARE),
         ("prepare-unbounded", _PREPARE),
     ],
