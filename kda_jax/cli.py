@@ -148,17 +148,6 @@ def prepare(args: argparse.Namespace) -> tuple[Job, KdaParams]:
         raise UsageError("--checkpoint needs --layer (the model.layers.{i} index)")
     if not args.checkpoint and layer is not None:
         raise UsageError("--layer only applies with --checkpoint")
-    if backend == "pallas":
-        from pallas_kernels.gemv import MAX_TILE_ROWS
-
-        why = f"the pallas decode kernels take at most {MAX_TILE_ROWS} rows per call"
-        if b > MAX_TILE_ROWS:
-            raise UsageError(f"--batch={b} with --backend pallas: {why} (gemv.MAX_TILE_ROWS)")
-        if b * k > MAX_TILE_ROWS:
-            raise UsageError(
-                f"--batch={b} x --verify={k} = {b * k} rows with --backend pallas: {why} "
-                "(gemv.MAX_TILE_ROWS; the verify projects batch x verify rows at once)"
-            )
     if args.checkpoint:
         from kda_jax.hf import read_hf_config
 

@@ -64,18 +64,34 @@ class KimiDeltaAttention(nnx.Module):
         return KdaState.zeros(self.cfg, batch)
 
     def prefill(
-        self, x: jax.Array, state: KdaState, lengths: jax.Array | None = None
+        self,
+        x: jax.Array,
+        state: KdaState,
+        lengths: jax.Array | None = None,
+        *,
+        slots: jax.Array | None = None,
     ) -> tuple[jax.Array, KdaState]:
-        """x [B, T, D], lengths [B] or None -> (y [B, T, D], new state). See forward.prefill."""
-        return forward.prefill(self.params(), self.cfg, x, state, lengths, backend=self.backend)
+        """x [B, T, D], lengths [B] or None -> (y [B, T, D], new state). With slots [B],
+        `state` is a pool and row b works on slot slots[b]. See forward.prefill."""
+        return forward.prefill(
+            self.params(), self.cfg, x, state, lengths, slots=slots, backend=self.backend
+        )
 
-    def decode(self, x: jax.Array, state: KdaState) -> tuple[jax.Array, KdaState]:
-        """x [B, D] -> (y [B, D], new state). See forward.decode."""
-        return forward.decode(self.params(), self.cfg, x, state, backend=self.backend)
+    def decode(
+        self, x: jax.Array, state: KdaState, *, slots: jax.Array | None = None
+    ) -> tuple[jax.Array, KdaState]:
+        """x [B, D] -> (y [B, D], new state), optionally from a pool at slots [B]. See
+        forward.decode."""
+        return forward.decode(self.params(), self.cfg, x, state, slots=slots, backend=self.backend)
 
-    def decode_k(self, x: jax.Array, state: KdaState) -> tuple[jax.Array, KdaState, KdaState]:
-        """x [B, k, D] -> (y [B, k, D], state after row k-1, per-row snapshots)."""
-        return forward.decode_k(self.params(), self.cfg, x, state, backend=self.backend)
+    def decode_k(
+        self, x: jax.Array, state: KdaState, *, slots: jax.Array | None = None
+    ) -> tuple[jax.Array, KdaState, KdaState]:
+        """x [B, k, D] -> (y [B, k, D], state after row k-1, per-row snapshots), optionally
+        from a pool at slots [B]. See forward.decode_k."""
+        return forward.decode_k(
+            self.params(), self.cfg, x, state, slots=slots, backend=self.backend
+        )
 
     def __call__(
         self, x: jax.Array, state: KdaState | None = None, lengths: jax.Array | None = None

@@ -55,6 +55,7 @@ def chunk_kda(
     mm_dtype=jnp.bfloat16,
     o_dtype=f32,
     l2_eps: float | None = None,
+    slots: jax.Array | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Gate, beta and the chunked delta rule over T padded tokens (no output norm).
@@ -66,6 +67,8 @@ def chunk_kda(
       a_log: [H]; dt_bias: [H*K]; scale: s; chunk: C; lower_bound: lb or None (unbounded).
       mm_dtype: dtype of the intermediates and of the products' operands; o_dtype: dtype of o.
       l2_eps: set when q, k arrive raw: they are L2-normalised inside chunk_prepare.
+      slots: [B] int32 or None: state is then a pool [S, H, K, V] read and written at slots[b]
+        by the state pass (`chunk_scan`); a negative slot writes nothing.
       interpret: run the kernels in Pallas interpret mode (None: when there is no GPU).
     Returns:
       o: [B, T, H, V] o_dtype, 0 at pads; new_state: [B, H, K, V] fp32.
@@ -86,7 +89,7 @@ def chunk_kda(
         l2_eps=l2_eps,
         interpret=interpret,
     )
-    return chunk_scan(inter, state, t=q.shape[1], out_dtype=o_dtype, interpret=interpret)
+    return chunk_scan(inter, state, slots, t=q.shape[1], out_dtype=o_dtype, interpret=interpret)
 
 
 @functools.partial(
@@ -111,6 +114,7 @@ def prefill_core(
     eps: float,
     out_dtype=jnp.bfloat16,
     poison: jax.Array | None = None,
+    slots: jax.Array | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Gate, beta, chunked recurrence and gated RMSNorm over T padded tokens.
@@ -125,9 +129,11 @@ def prefill_core(
       f: [B, T, P]; b: [B, T, H]; z: [B, T, P]; state: [B, H, K, V] fp32; lengths: [B] int32.
       a_log: [H]; dt_bias: [P]; o_norm_w: [V].
       poison: optional [B] int32 >= lengths, as in the reference.
+      slots: [B] int32 or None: state is then a pool [S, H, K, V] read and written in place
+        at slots[b]; a negative slot writes nothing (give its row length 0).
       interpret: run the kernels in Pallas interpret mode (None: when there is no GPU).
     Returns:
-      y: [B, T, P] out_dtype; new_state: [B, H, K, V] fp32.
+      y: [B, T, P] out_dtype; new_state: [B, H, K, V] fp32 (with slots, the pool).
     """
     t = q.shape[1]
     o, new_state = chunk_kda(
@@ -145,6 +151,7 @@ def prefill_core(
         lower_bound=lower_bound,
         mm_dtype=matmul_dtype(out_dtype),
         o_dtype=matmul_dtype(out_dtype),
+        slots=slots,
         interpret=interpret,
     )
     keep = common.output_keep(lengths, t, poison)  # z may be NaN at pads: replaced, not scaled

@@ -78,13 +78,25 @@ def _chunk_scan_kernel(
     u_ref,  # [N*C, BV] fp32
     a_ref,  # [N*C, C]
     gl_ref,  # [N, K] fp32
-    s_ref,  # [K, BV] fp32
-    o_ref,  # [N*C, BV]
-    s_out_ref,  # [K, BV] fp32
-    *,
+    s_ref,  # [K, BV] fp32; pooled: the whole pool [S, H, K, V]
+    *refs,  # pooled: slot [1]; o [N*C, BV]; new state [K, BV] fp32 (pooled: the pool, aliased)
     chunk: int,
+    pooled: bool,
 ):
-    """One (sequence, head, V tile): the chunks in order, the state tile in registers."""
+    """One (sequence, head, V tile): the chunks in order, the state tile in registers. Pooled,
+    the state tile is pool[slot, h, :, tile j], read and written back in place; a negative slot
+    reads slot 0 (in bounds) and writes nothing."""
+    slot_ref, o_ref, s_out_ref = refs if pooled else (None, *refs)
+    tile = (Ellipsis,)
+    if pooled:
+        bv = o_ref.shape[-1]
+        slot = slot_ref[0]
+        tile = (
+            jnp.maximum(slot, 0),
+            pl.program_id(1),
+            slice(None),
+            pl.ds(pl.program_id(2) * bv, bv),
+        )
     mm = qg_ref.dtype
     n_chunks = gl_ref.shape[0]
     nt = (((1,), (1,)), ((), ()))  # x @ y.T
@@ -109,14 +121,22 @@ def _chunk_scan_kernel(
         o_ref[rows, :] = o.astype(o_ref.dtype)
         return s_t
 
-    s_t = lax.fori_loop(0, n_chunks, step, s_ref[...].astype(f32).T)
-    s_out_ref[...] = s_t.T
+    s_t = lax.fori_loop(0, n_chunks, step, s_ref[tile].astype(f32).T)
+    if pooled:
+
+        @pl.when(slot >= 0)
+        def _():
+            s_out_ref[tile] = s_t.T
+
+    else:
+        s_out_ref[...] = s_t.T
 
 
 @functools.partial(jax.jit, static_argnames=("t", "out_dtype", "block_sizes", "interpret"))
 def chunk_scan(
     inter: ChunkIntermediates,
     state: jax.Array,
+    slots: jax.Array | None = None,
     *,
     t: int,
     out_dtype=f32,
@@ -129,19 +149,31 @@ def chunk_scan(
       inter: ChunkIntermediates (qg, kg, w [B, H, N*C, K]; u [B, H, N*C, V]; a [B, H, N*C, C];
         gl [B, H, N, K] fp32).
       state: [B, H, K, V] fp32 initial state.
+      slots: [B] int32 or None. When given, state is a pool [S, H, K, V]: row b starts from
+        pool[slots[b]] and its final state is written there, in place when the caller donates
+        the pool; a negative slot writes nothing. Non-negative slots must be distinct.
       t: T, the number of token rows of o (T <= N*C; rows past T are dropped).
       out_dtype: dtype of o.
       block_sizes: tiling (default `ScanBlockSizes.get_default(B, H, V, C)`).
       interpret: run in Pallas interpret mode (None: when there is no GPU).
     Returns:
-      o: [B, T, H, V] out_dtype (0 at pads); new_state: [B, H, K, V] fp32.
+      o: [B, T, H, V] out_dtype (0 at pads); new_state: [B, H, K, V] fp32 (with slots, the
+      pool).
     """
     bsz, h, tp, kd = inter.qg.shape
     vd = inter.u.shape[-1]
     n = inter.gl.shape[2]
     chunk = tp // n
-    if tuple(state.shape) != (bsz, h, kd, vd):
-        raise ValueError(f"chunk_scan: state has shape {state.shape}, expected {(bsz, h, kd, vd)}")
+    rows = bsz if slots is None else state.shape[0]
+    if tuple(state.shape) != (rows, h, kd, vd):
+        raise ValueError(f"chunk_scan: state has shape {state.shape}, expected {(rows, h, kd, vd)}")
+    if slots is not None and (
+        slots.shape != (bsz,) or not jnp.issubdtype(slots.dtype, jnp.integer)
+    ):
+        raise ValueError(
+            f"chunk_scan: slots has shape {slots.shape} and dtype {slots.dtype}, expected [{bsz}] "
+            "integers"
+        )
     if not n * chunk - chunk < t <= n * chunk:
         raise ValueError(f"chunk_scan: t={t} does not fit N={n} chunks of C={chunk} tokens")
     blk = block_sizes or ScanBlockSizes.get_default(bsz, h, vd, chunk)
@@ -151,11 +183,16 @@ def chunk_scan(
     whole = lambda d: pl.BlockSpec((None, None, tp, d), lambda s, hh, j: (s, hh, 0, 0))  # noqa: E731
     vtile = pl.BlockSpec((None, None, tp, bv), lambda s, hh, j: (s, hh, 0, j))
     state_spec = pl.BlockSpec((None, None, kd, bv), lambda s, hh, j: (s, hh, 0, j))
+    pool_in, pool_spec, aliases = (), [], {}
+    if slots is not None:  # the whole pool, reached at each row's slot in the kernel
+        state_spec = pl.no_block_spec
+        pool_in, pool_spec = (slots.astype(jnp.int32),), [pl.BlockSpec((1,), lambda s, hh, j: (s,))]
+        aliases = {6: 1}
     o, new_state = pl.pallas_call(
-        functools.partial(_chunk_scan_kernel, chunk=chunk),
+        functools.partial(_chunk_scan_kernel, chunk=chunk, pooled=slots is not None),
         out_shape=(
             jax.ShapeDtypeStruct((bsz, tp, h, vd), out_dtype),
-            jax.ShapeDtypeStruct((bsz, h, kd, vd), f32),
+            jax.ShapeDtypeStruct(state.shape, f32),
         ),
         grid=(bsz, h, vd // bv),
         in_specs=[
@@ -166,13 +203,15 @@ def chunk_scan(
             whole(chunk),
             pl.BlockSpec((None, None, n, kd), lambda s, hh, j: (s, hh, 0, 0)),
             state_spec,
+            *pool_spec,
         ],
         out_specs=(
             pl.BlockSpec((None, tp, None, bv), lambda s, hh, j: (s, 0, hh, j)),
             state_spec,
         ),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
+        input_output_aliases=aliases,
         name="kda_chunk_scan",
         interpret=common.resolve_interpret(interpret),
-    )(inter.qg, inter.kg, inter.w, inter.u, inter.a, inter.gl, state.astype(f32))
+    )(inter.qg, inter.kg, inter.w, inter.u, inter.a, inter.gl, state.astype(f32), *pool_in)
     return (o if tp == t else o[:, :t]), new_state

@@ -100,8 +100,9 @@ def _qk_mask(block_heads: int, qk_groups: int, j):
 
 def _conv_decode_program(
     x_ref,  # [R, HB, K]
-    state_ref,  # [W-1, HB, K]
-    *refs,  # W taps [HB, K]; per segment out [R, HB, K]; new state [W-1, HB, K]; snapshots
+    state_ref,  # [W-1, HB, K]; pooled: the whole pool [N, W-1, C/K, K]
+    *refs,  # W taps [HB, K]; pooled: pool slot [1]; per segment out [R, HB, K];
+    # new state [W-1, HB, K] (pooled: the pool, aliased); snapshots [R, W-1, HB, K]
     j,
     slot,
     rows,
@@ -110,6 +111,7 @@ def _conv_decode_program(
     l2_eps,
     tiles,
     snapshots,
+    pooled,
     interpret,
 ):
     """Rows slot*G .. slot*G + G-1 (G = min(R, W-1)) of channel tile j of one sequence (j, slot:
@@ -126,20 +128,26 @@ def _conv_decode_program(
     that element)."""
     states_ref = refs[-1] if snapshots else None
     refs = refs[:-1] if snapshots else refs
-    tap_refs, out_refs, new_state_ref = refs[:width], refs[width:-1], refs[-1]
+    tap_refs, refs = refs[:width], refs[width:]
+    pool_slot, refs = (refs[0][0], refs[1:]) if pooled else (None, refs)
+    out_refs, new_state_ref = refs[:-1], refs[-1]
     taps = [r[...].astype(f32) for r in tap_refs]
-    qk_mask = _qk_mask(x_ref.shape[1], qk_groups, j)
+    hb = x_ref.shape[1]
+    qk_mask = _qk_mask(hb, qk_groups, j)
     size = min(rows, width - 1)
     one = rows == size  # a single program per tile: static row positions
+    state_at, keep = _state_view(state_ref, pool_slot, j, hb)
 
     def raw(q):
         """The raw input at row position q (below 0: the carried state), [HB, K] fp32."""
         if isinstance(q, int):  # static positions (every row when one program holds them all)
-            return x_ref[q].astype(f32) if q >= 0 else state_ref[width - 1 + q].astype(f32)
+            return (
+                x_ref[q].astype(f32) if q >= 0 else state_ref[state_at(width - 1 + q)].astype(f32)
+            )
         # Both loads are in bounds; the select copies one of them exactly.
         from_x = x_ref[jnp.clip(q, 0, rows - 1)].astype(f32)
-        from_state = state_ref[jnp.clip(width - 1 + q, 0, width - 2)].astype(f32)
-        return jnp.where(q >= 0, from_x, from_state)
+        from_state = state_ref[state_at(jnp.clip(width - 1 + q, 0, width - 2))]
+        return jnp.where(q >= 0, from_x, from_state.astype(f32))
 
     # Every load before the first store: a load after a store waits for it (the refs cannot be
     # told apart), which made R rows R memory round trips.
@@ -154,10 +162,10 @@ def _conv_decode_program(
         after = inputs[i + 1 : i + width]
 
         def store(r=base + i, y=y, after=after):
-            _store_segment(out_refs, tiles, j, r, y)
+            _store_segment(out_refs, tiles, j, r, keep(y))
             if snapshots:
                 for t in range(width - 1):
-                    states_ref[r, t] = after[t]
+                    states_ref[r, t] = keep(after[t])
 
         if one:
             store()
@@ -167,12 +175,31 @@ def _conv_decode_program(
 
     def store_state():
         for t in range(width - 1):
-            new_state_ref[t] = last[t]
+            new_state_ref[state_at(t)] = last[t]
 
-    if one:
-        store_state()
+    writes = [] if one else [slot == 0]
+    if pooled:
+        writes.append(pool_slot >= 0)
+    if writes:
+        pl.when(functools.reduce(jnp.logical_and, writes))(store_state)
     else:
-        pl.when(slot == 0)(store_state)
+        store_state()
+
+
+def _state_view(state_ref, pool_slot, j, hb):
+    """How a decode program reaches its tile of the conv state: `state_at(t)`, the index of
+    state row t in state_ref, and `keep(v)`, a stored output or snapshot tile. Dense: the
+    BlockSpec's tile, every row kept. Pooled: pool[slot] at channel tile j; a row whose slot is
+    negative reads slot 0 (in bounds, never kept) and stores 0 (slot -1, padding) or NaN
+    (below -1: a row the caller refused)."""
+    if pool_slot is None:
+        return (lambda t: t), (lambda v: v)
+    row = jnp.maximum(pool_slot, 0)
+    fill = jnp.where(pool_slot == -1, f32(0), f32(jnp.nan))  # typed: Triton lowering
+    return (
+        lambda t: (row, t, pl.ds(j * hb, hb), slice(None)),
+        lambda v: jnp.where(pool_slot >= 0, v, fill),
+    )
 
 
 def _store_segment(out_refs, tiles, j, row, y):
@@ -239,6 +266,17 @@ def _check(x, conv_state, w, qk_channels, head_dim, what):
         raise ValueError(f"{what}: conv width W={width} must be >= 2")
 
 
+def _check_pool(pool, slots, b: int, what: str) -> None:
+    """A pool [N >= 1, ...] and its slots [B] of integers."""
+    if pool.ndim < 1 or pool.shape[0] < 1:
+        raise ValueError(f"{what}: the pool has shape {tuple(pool.shape)}, expected N >= 1 rows")
+    if tuple(slots.shape) != (b,) or not jnp.issubdtype(slots.dtype, jnp.integer):
+        raise ValueError(
+            f"{what}: slots has shape {tuple(slots.shape)} and dtype {slots.dtype}, expected "
+            f"[{b}] integers"
+        )
+
+
 def _slots(rows: int, width: int) -> int:
     """conv_decode's programs per (sequence, channel tile): one per W-1 rows."""
     return common.cdiv(rows, min(rows, width - 1))
@@ -256,7 +294,8 @@ class DecodePlan:
     `front.decode_front` runs its programs in a grid it shares with the f_b | g_b sweep.
 
     Attributes:
-      inputs, in_specs: x, the conv state, the W tap views of w, with their BlockSpecs.
+      inputs, in_specs: x, the conv state (or pool), the W tap views of w, the pool slots when
+        pooled, with their BlockSpecs.
       out_shape, out_specs: one output per segment, the new state, the snapshots if asked.
       kernel_kw: the static arguments of `_conv_decode_program` (its `tiles`: the segments'
         first channel tiles and the end; `interpret`: the launch's mode).
@@ -311,7 +350,7 @@ class DecodePlan:
         b, r, c, width = self.shape
         n_out = self.state_output
         outs = tuple(o.reshape(b, r, o.shape[2] * o.shape[3]) for o in res[:n_out])
-        new_state = res[n_out].reshape(b, width - 1, c)
+        new_state = res[n_out].reshape(res[n_out].shape[0], width - 1, c)
         states = res[n_out + 1].reshape(b, r, width - 1, c) if self.kernel_kw["snapshots"] else None
         return (outs[0] if self.splits is None else outs), new_state, states
 
@@ -326,6 +365,7 @@ def plan_decode(
     l2_eps: float,
     splits=None,
     snapshots: bool = False,
+    slots: jax.Array | None = None,
     block_sizes: ConvBlockSizes | None = None,
     flat: bool = False,
     interpret: bool | None = None,
@@ -334,9 +374,14 @@ def plan_decode(
     or with `flat` for a 1-D grid whose first B * tiles * slots programs are the conv's
     (`DecodePlan.flat_ids`; later programs see the last one's blocks and must not run
     `program`). `interpret`: the mode of the launch that runs it (None: when there is no
-    GPU)."""
-    _check(x, conv_state, w, qk_channels, head_dim, "conv_decode")
+    GPU). `slots`: as in `conv_decode`."""
     b, r, c = x.shape
+    if slots is not None:
+        _check_pool(conv_state, slots, b, "conv_decode")
+    rows_state = (
+        conv_state if slots is None else jax.ShapeDtypeStruct((b, *conv_state.shape[1:]), f32)
+    )
+    _check(x, rows_state, w, qk_channels, head_dim, "conv_decode")
     width, k = w.shape[1], head_dim
     groups = c // k
     blk = block_sizes or ConvBlockSizes.get_default(1, groups, k)
@@ -351,6 +396,10 @@ def plan_decode(
         ids = lambda i, j, slot: (i, j)  # noqa: E731
     at = lambda index: lambda *g: index(*ids(*g))  # noqa: E731
     state_spec = pl.BlockSpec((None, width - 1, hb, k), at(lambda i, j: (i, 0, j, 0)))
+    pool = ()
+    if slots is not None:  # the whole pool, reached at each row's slot in the kernel
+        state_spec = pl.no_block_spec
+        pool = ((slots.astype(jnp.int32),), (pl.BlockSpec((1,), at(lambda i, j: (i,))),))
     snap_shapes, snap_specs = [], []
     if snapshots:
         snap_shapes = [jax.ShapeDtypeStruct((b, r, width - 1, groups, k), f32)]
@@ -358,17 +407,19 @@ def plan_decode(
     return DecodePlan(
         inputs=(
             x.reshape(b, r, groups, k),
-            conv_state.astype(f32).reshape(b, width - 1, groups, k),
+            conv_state.astype(f32).reshape(-1, width - 1, groups, k),
             *([w.reshape(groups, k, width)] * width),
+            *(pool[0] if pool else ()),
         ),
         in_specs=(
             pl.BlockSpec((None, r, hb, k), at(lambda i, j: (i, 0, j, 0))),
             state_spec,
             *_tap_specs(width, hb, k, at(lambda i, j: j)),
+            *(pool[1] if pool else ()),
         ),
         out_shape=(
             *(jax.ShapeDtypeStruct((b, r, v // k, k), f32) for v in widths),
-            jax.ShapeDtypeStruct((b, width - 1, groups, k), f32),
+            jax.ShapeDtypeStruct((conv_state.shape[0], width - 1, groups, k), f32),
             *snap_shapes,
         ),
         out_specs=(
@@ -386,6 +437,7 @@ def plan_decode(
             l2_eps=l2_eps,
             tiles=tiles,
             snapshots=snapshots,
+            pooled=slots is not None,
             interpret=common.resolve_interpret(interpret),
         ),
         num_warps=blk.num_warps,
@@ -404,6 +456,7 @@ def conv_decode(
     l2_eps: float,
     splits: tuple[int, ...] | None = None,
     snapshots: bool = False,
+    slots: jax.Array | None = None,
     block_sizes: ConvBlockSizes | None = None,
     interpret: bool | None = None,
 ):
@@ -420,6 +473,10 @@ def conv_decode(
         each written by the kernel (no slice copies); each must be a multiple of the kernel's
         channel tile (whole heads: the block's P = H * K always is).
       snapshots: also return the conv state after every row.
+      slots: [B] int32 or None. When given, conv_state is a pool [N, W-1, C] and row b reads
+        and writes pool row slots[b] in the kernel (no gathered copy); a negative slot reads
+        and writes nothing, and that row's out and states are 0 (slot -1) or NaN (below -1).
+        Non-negative slots must be distinct and below N (two programs would race on a row).
       block_sizes: tiling (default `ConvBlockSizes.get_default(1, C/K, K)`); it must not
         depend on R when R-row calls must equal serial calls.
       interpret: run in Pallas interpret mode (None: when there is no GPU).
@@ -427,7 +484,8 @@ def conv_decode(
       out: [B, R, C] fp32, SiLU(conv) with q and k L2-normalised per head; with `splits`, a
         tuple of [B, R, c_s].
       new_state: [B, W-1, C] fp32, the conv state after the last row, written over conv_state's
-        memory when the caller donates it.
+        memory when the caller donates it; with slots, the whole pool [N, W-1, C], only the
+        named rows changed.
       states: [B, R, W-1, C] fp32, the conv state after each row, or None without `snapshots`.
     """
     cp = plan_decode(
@@ -439,6 +497,7 @@ def conv_decode(
         l2_eps=l2_eps,
         splits=splits,
         snapshots=snapshots,
+        slots=slots,
         block_sizes=block_sizes,
         interpret=interpret,
     )

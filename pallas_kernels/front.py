@@ -5,7 +5,9 @@ microseconds, mostly launch latency. `decode_front` runs them side by side in on
 1-D grid whose first programs are conv_decode's (`conv.plan_decode`) and whose others are the
 sweep's (`gemv.plan`). Every program runs the code its own launch would run, with the same tiling:
 compiled, the results have the bits of `conv_decode` and `proj_many` launched apart
-(test_front.py), and R rows per sequence still give the bits of R serial 1-row calls.
+(test_front.py), and R rows per sequence still give the bits of R serial 1-row calls. Past the
+sweep's largest row tile (M > `gemv.MAX_TILE_ROWS` rows) the two run apart: `conv_decode` and
+`proj_many`'s XLA dots, which suit a product of that many rows.
 """
 
 from __future__ import annotations
@@ -35,17 +37,18 @@ def decode_front(
     splits: tuple[int, ...] | None = None,
     snapshots: bool = False,
     out_dtype=None,
+    slots: jax.Array | None = None,
     interpret: bool | None = None,
 ):
     """conv_decode(x, conv_state, w, ...) and proj_many(xs, ws) in one launch; the kernel of
     `reference.decode_front_reference`.
 
     Args:
-      x, conv_state, w, qk_channels, head_dim, l2_eps, splits, snapshots: as `conv.conv_decode`
-        (x [B, R, C] raw q|k|v rows, conv_state [B, W-1, C] fp32 written over in place when
-        the caller donates it).
-      xs, ws: as `gemv.proj_many`: activations [M, D] (1 <= M <= 64) and weights [N, D] of one
-        shape each (the block's f_a, g_a and f_b, g_b).
+      x, conv_state, w, qk_channels, head_dim, l2_eps, splits, snapshots, slots: as
+        `conv.conv_decode` (x [B, R, C] raw q|k|v rows, conv_state [B, W-1, C] fp32, or with
+        slots a pool [N, W-1, C], written over in place when the caller donates it).
+      xs, ws: as `gemv.proj_many`: activations [M, D] (M >= 1; one launch for M <= 64) and
+        weights [N, D] of one shape each (the block's f_a, g_a and f_b, g_b).
       out_dtype: dtype of the projections (default: the weights').
       interpret: run in Pallas interpret mode (None: when there is no GPU).
     Both parts take their own launches' default tilings (what keeps their bits).
@@ -53,18 +56,12 @@ def decode_front(
       (out or its segments, new_state, states | None, ys): conv_decode's three results, then
       the tuple of projections [M, N].
     """
-    cp = conv.plan_decode(
-        x,
-        conv_state,
-        w,
-        qk_channels=qk_channels,
-        head_dim=head_dim,
-        l2_eps=l2_eps,
-        splits=splits,
-        snapshots=snapshots,
-        flat=True,
-        interpret=interpret,
-    )
+    kw = dict(qk_channels=qk_channels, head_dim=head_dim, l2_eps=l2_eps, splits=splits)
+    kw.update(snapshots=snapshots, slots=slots, interpret=interpret)
+    if xs and xs[0].ndim == 2 and xs[0].shape[0] > gemv.MAX_TILE_ROWS:
+        ys = gemv.proj_many(xs, ws, out_dtype=out_dtype, interpret=interpret)
+        return (*conv.conv_decode(x, conv_state, w, **kw), ys)
+    cp = conv.plan_decode(x, conv_state, w, flat=True, **kw)
     sp = gemv.plan(xs, ws, out_dtype=out_dtype, what="decode_front")
     warps = sp.block_sizes.num_warps
     if cp.num_warps != warps:

@@ -78,6 +78,7 @@ class _Fusions(NamedTuple):
     norm_eps: float | None  # fused RMSNorm epilogue (needs block_v == V)
     l2_eps: float | None  # L2-normalise q and k in the kernel (raw q/k inputs)
     snapshots: bool
+    pooled: bool = False  # the state is a pool read and written at each row's slot
 
 
 def _step(s, q, k, v, g, beta, scale):
@@ -97,16 +98,33 @@ def _l2(x, eps):
 def _recurrent_kernel(*refs, rows: int, scale: float, fu: _Fusions, interpret: bool):
     """R rows of one sequence b, head h, V tile j. Refs, in order:
     q_ref, k_ref: [R, K]; v_ref: [R, BV]; f_ref: [R, K]; b_ref: [R]; a_log_ref: [1];
-    dt_ref: [K]; state_ref: [K, BV]; with the fused norm z_ref [R, V] and w_ref [V];
+    dt_ref: [K]; state_ref: [K, BV] (pooled: the whole pool [N, H, K, V]); with the fused
+    norm z_ref [R, V] and w_ref [V]; pooled, slot_ref [1];
     outputs: out_ref [R, BV] (o fp32, or y out_dtype with the fused norm);
-    new_state_ref [K, BV]; snaps_ref [R, K, BV] with snapshots.
+    new_state_ref [K, BV] (pooled: the pool, aliased); snaps_ref [R, K, BV] with snapshots.
+    Pooled, the program reads and writes pool[slot, h, :, tile j]; a negative slot reads slot 0
+    (in bounds), writes nothing and stores 0 (slot -1, padding) or NaN (below -1) as its out and
+    snapshots.
     """
     refs = list(refs)
     take = lambda n: [refs.pop(0) for _ in range(n)]  # noqa: E731
     q_ref, k_ref, v_ref, f_ref, b_ref, a_log_ref, dt_ref, state_ref = take(8)
     norm_refs = take(2) if fu.norm_eps is not None else None
+    slot = take(1)[0][0] if fu.pooled else None
     out_ref, new_state_ref = take(2)
     snaps_ref = take(1)[0] if fu.snapshots else None
+    keep = lambda a: a  # noqa: E731
+    tile = (Ellipsis,)
+    if fu.pooled:
+        bv = out_ref.shape[-1]  # read here: interpret mode cannot see program_id in pl.when
+        tile = (
+            jnp.maximum(slot, 0),
+            pl.program_id(1),
+            slice(None),
+            pl.ds(pl.program_id(2) * bv, bv),
+        )
+        fill = jnp.where(slot == -1, f32(0), f32(jnp.nan))  # typed: Triton lowering
+        keep = lambda a: jnp.where(slot >= 0, a, fill)  # noqa: E731
 
     a = jnp.exp(a_log_ref[...].astype(f32))  # [1]
     dt = dt_ref[...].astype(f32)
@@ -119,7 +137,7 @@ def _recurrent_kernel(*refs, rows: int, scale: float, fu: _Fusions, interpret: b
         z_ref, w_ref = norm_refs
         zs = [z_ref[r] for r in range(rows)]
         w_norm = w_ref[...].astype(f32)
-    s = state_ref[...].astype(f32)
+    s = state_ref[tile].astype(f32)
     for r, (q, k, v, f, b) in enumerate(loaded):
         q, k = q.astype(f32), k.astype(f32)
         if fu.l2_eps is not None:
@@ -135,16 +153,26 @@ def _recurrent_kernel(*refs, rows: int, scale: float, fu: _Fusions, interpret: b
             s, o = jax.lax.optimization_barrier((s, o))
         if norm_refs is not None:
             o = gated_rms_norm(o, zs[r].astype(f32), w_norm, fu.norm_eps)
-        out_ref[r] = o.astype(out_ref.dtype)
+        out_ref[r] = keep(o).astype(out_ref.dtype)
         if snaps_ref is not None:
-            snaps_ref[r] = s
-    new_state_ref[...] = s
+            snaps_ref[r] = keep(s)
+    if fu.pooled:
+
+        @pl.when(slot >= 0)
+        def _():
+            new_state_ref[tile] = s
+
+    else:
+        new_state_ref[...] = s
 
 
-def _call(q, k, v, f, b, state, a_log, dt_bias, norm_args, *, scale, fu, out_dtype, blk, interpret):
+def _call(
+    q, k, v, f, b, state, a_log, dt_bias, norm_args, slots, *, scale, fu, out_dtype, blk, interpret
+):
     """Builds and runs the pallas_call. q, k: [B, R, H, K]; v: [B, R, H, V]; f: [B, R, P];
-    b: [B, R, H]; a_log: [H]; dt_bias: [P]; norm_args: (z [B, R, P], w [V]) or None.
-    Returns (out [B, R, H, V], state, snaps | None)."""
+    b: [B, R, H]; a_log: [H]; dt_bias: [P]; norm_args: (z [B, R, P], w [V]) or None;
+    state [B, H, K, V], or with slots [B] int32 a pool [N, H, K, V].
+    Returns (out [B, R, H, V], state or pool, snaps | None)."""
     bsz, r, h, kd = q.shape
     vd = v.shape[-1]
     bv = blk.block_v
@@ -158,6 +186,8 @@ def _call(q, k, v, f, b, state, a_log, dt_bias, norm_args, *, scale, fu, out_dty
     rows_v = pl.BlockSpec((None, r, None, bv), lambda i, j, n: (i, 0, j, n))
     rows_1 = pl.BlockSpec((None, r, None), lambda i, j, n: (i, 0, j))
     state_spec = pl.BlockSpec((None, None, kd, bv), lambda i, j, n: (i, j, 0, n))
+    if slots is not None:  # the whole pool, reached at each row's slot in the kernel
+        state_spec = pl.no_block_spec
     gate_specs = [
         rows_k,
         rows_1,
@@ -172,9 +202,12 @@ def _call(q, k, v, f, b, state, a_log, dt_bias, norm_args, *, scale, fu, out_dty
         z, w = norm_args
         in_specs += [rows_v, pl.BlockSpec((vd,), lambda i, j, n: (0,))]
         inputs += [z.reshape(bsz, r, h, vd), w]
+    if slots is not None:
+        in_specs.append(pl.BlockSpec((1,), lambda i, j, n: (i,)))
+        inputs.append(slots.astype(jnp.int32))
     out_shape = [
         jax.ShapeDtypeStruct((bsz, r, h, vd), out_dtype),
-        jax.ShapeDtypeStruct((bsz, h, kd, vd), f32),
+        jax.ShapeDtypeStruct(state.shape, f32),
     ]
     out_specs = [rows_v, state_spec]
     if fu.snapshots:
@@ -194,17 +227,28 @@ def _call(q, k, v, f, b, state, a_log, dt_bias, norm_args, *, scale, fu, out_dty
     return outs[0], outs[1], (outs[2] if fu.snapshots else None)
 
 
-def _check(q, k, v, f, b, state, a_log, dt_bias, what):
+def _check(q, k, v, f, b, state, a_log, dt_bias, what, slots=None):
     bsz, r, h, kd = q.shape
     vd = v.shape[-1]
     p = h * kd
+    if slots is not None:
+        if tuple(slots.shape) != (bsz,) or not jnp.issubdtype(slots.dtype, jnp.integer):
+            raise ValueError(
+                f"{what}: slots has shape {tuple(slots.shape)} and dtype {slots.dtype}, "
+                f"expected [{bsz}] integers"
+            )
+        if state.ndim != 4 or state.shape[0] < 1:
+            raise ValueError(
+                f"{what}: the pool has shape {state.shape}, expected [N >= 1, H, K, V]"
+            )
+    n = bsz if slots is None else state.shape[0]  # the pool's rows
     if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
         raise ValueError(
             f"{what}: q {q.shape}, k {k.shape}, v {v.shape}: expected q, k "
             "[B, R, H, K] and v [B, R, H, V]"
         )
-    if tuple(state.shape) != (bsz, h, kd, vd):
-        raise ValueError(f"{what}: state has shape {state.shape}, expected {(bsz, h, kd, vd)}")
+    if tuple(state.shape) != (n, h, kd, vd):
+        raise ValueError(f"{what}: state has shape {state.shape}, expected {(n, h, kd, vd)}")
     if kd & (kd - 1) or vd & (vd - 1) or kd < 16:
         raise ValueError(f"{what}: K={kd}, V={vd} must be powers of two, K >= 16")
     if f.shape != (bsz, r, p) or b.shape != (bsz, r, h):
@@ -264,6 +308,7 @@ def fused_recurrent(
         a_log,
         dt_bias,
         None,
+        None,
         scale=scale,
         fu=fu,
         out_dtype=f32,
@@ -289,6 +334,7 @@ def decode_core(
     eps: float,
     snapshots: bool = False,
     out_dtype=jnp.bfloat16,
+    slots: jax.Array | None = None,
     block_sizes: RecurrentBlockSizes | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
@@ -303,13 +349,19 @@ def decode_core(
       scale: s = K^-0.5; lower_bound: the bounded gate's lb, or None (unbounded);
       eps: the RMSNorm epsilon; snapshots: also return the state after every row.
       out_dtype: dtype of y.
+      slots: [B] int32 or None. When given, state is a pool [N, H, K, V] and row b reads and
+        writes pool[slots[b]] in the kernel, in place when the caller donates the pool (no
+        gathered copy); a negative slot reads and writes nothing, and that row's y and snaps
+        are 0 (slot -1, padding) or NaN (below -1). Non-negative slots must be distinct and
+        below N (two programs would race on one state).
       block_sizes: tiling (default `RecurrentBlockSizes.get_default(B, H, K, V)`); with
         block_v == V the RMSNorm runs in the kernel, else in the `o_norm` kernel after it.
       interpret: run in Pallas interpret mode (None: when there is no GPU).
     Returns:
-      y: [B, R, P] out_dtype; new_state: [B, H, K, V] fp32; snaps: [B, R, H, K, V] fp32 or None.
+      y: [B, R, P] out_dtype; new_state: [B, H, K, V] fp32 (with slots the pool [N, H, K, V],
+      only the named slots changed); snaps: [B, R, H, K, V] fp32 or None.
     """
-    _check(q, k, v, f, b, state, a_log, dt_bias, "decode_core")
+    _check(q, k, v, f, b, state, a_log, dt_bias, "decode_core", slots)
     bsz, r, h, kd = q.shape
     vd = v.shape[-1]
     if z.shape != (bsz, r, h * vd) or o_norm_w.shape != (vd,):
@@ -325,6 +377,7 @@ def decode_core(
         norm_eps=eps if fused_norm else None,
         l2_eps=None,
         snapshots=snapshots,
+        pooled=slots is not None,
     )
     out, new_state, snaps = _call(
         q,
@@ -336,6 +389,7 @@ def decode_core(
         a_log,
         dt_bias,
         (z, o_norm_w) if fused_norm else None,
+        slots,
         scale=scale,
         fu=fu,
         out_dtype=out_dtype if fused_norm else f32,
@@ -344,5 +398,9 @@ def decode_core(
     )
     if fused_norm:
         return out.reshape(bsz, r, h * vd), new_state, snaps
-    y = o_norm(out, z, o_norm_w, eps=eps, out_dtype=out_dtype, interpret=interpret)
+    keep = None
+    if slots is not None:  # the kernel's fill for rows of negative slots, after the norm too
+        fill = jnp.where(slots == -1, 0.0, jnp.nan)
+        keep = jnp.broadcast_to(jnp.where(slots >= 0, 1.0, fill)[:, None], (bsz, r))
+    y = o_norm(out, z, o_norm_w, eps=eps, keep=keep, out_dtype=out_dtype, interpret=interpret)
     return y, new_state, snaps

@@ -8,6 +8,8 @@ C chunk. All state and gate math is fp32; matrix inputs may be bf16 with fp32 ac
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -27,9 +29,34 @@ __all__ = [
     "fused_recurrent_reference",
     "decode_core_reference",
     "prefill_core_reference",
+    "pool_rows",
+    "pool_write",
+    "slot_fill",
 ]
 
 f32 = jnp.float32
+
+
+# --------------------------------------------------------------------------------------------
+# Slot-indexed state pools: what the kernels do in place, as gather and scatter
+# --------------------------------------------------------------------------------------------
+def pool_rows(pool: jax.Array, slots: jax.Array) -> jax.Array:
+    """pool [N, ...] at slots [B] -> [B, ...]; a negative slot reads row 0 (never kept)."""
+    return jnp.take(pool, jnp.maximum(slots, 0), axis=0)
+
+
+def pool_write(pool: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
+    """pool with rows[b] written at slots[b] where slots[b] >= 0 (the others write nothing).
+    Non-negative slots must be distinct (which of two writes lands is unspecified)."""
+    idx = jnp.where(slots >= 0, slots, pool.shape[0])  # out of range: dropped
+    return pool.at[idx].set(rows.astype(pool.dtype), mode="drop")
+
+
+def slot_fill(slots: jax.Array, a: jax.Array) -> jax.Array:
+    """a [B, ...] with the rows of negative slots replaced: 0 for -1 (padding), NaN below (a
+    row the caller refused)."""
+    s = slots.reshape((-1,) + (1,) * (a.ndim - 1))
+    return jnp.where(s >= 0, a, jnp.where(s == -1, 0.0, jnp.nan).astype(a.dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,6 +124,7 @@ def conv_decode_reference(
     l2_eps: float,
     splits: tuple[int, ...] | None = None,
     snapshots: bool = False,
+    slots: jax.Array | None = None,
 ):
     """Conv step for R new rows per sequence, from the carried conv state.
 
@@ -106,12 +134,30 @@ def conv_decode_reference(
       w: [C, W] fp32 taps; w[:, W-1] multiplies the current row.
       splits: channel widths summing to C: return `out` as that many arrays (e.g. q, k, v).
       snapshots: also return the conv state after every row.
+      slots: [B] int32 or None: conv_state is then a pool [N, W-1, C], row b reads and writes
+        pool row slots[b]; a negative slot writes nothing and its out and states are 0 (-1)
+        or NaN (below -1) (`slot_fill`).
     Returns:
       out: [B, R, C] fp32, SiLU(conv) with q and k L2-normalised per head; with `splits`, a
         tuple of [B, R, c_s].
-      new_state: [B, W-1, C] fp32, the conv state after the last row.
+      new_state: [B, W-1, C] fp32, the conv state after the last row (with slots, the pool).
       states: [B, R, W-1, C] fp32, the conv state after each row, or None without `snapshots`.
     """
+    if slots is not None:
+        out, new_rows, states = conv_decode_reference(
+            x,
+            pool_rows(conv_state, slots),
+            w,
+            qk_channels=qk_channels,
+            head_dim=head_dim,
+            l2_eps=l2_eps,
+            splits=splits,
+            snapshots=snapshots,
+        )
+        fill = functools.partial(slot_fill, slots)
+        out = fill(out) if splits is None else tuple(map(fill, out))
+        states = None if states is None else fill(states)
+        return out, pool_write(conv_state, slots, new_rows), states
     wdt = w.shape[1]
     seq = jnp.concatenate([conv_state.astype(f32), x.astype(f32)], axis=1)  # [B, W-1+R, C]
     r = x.shape[1]
@@ -136,10 +182,11 @@ def decode_front_reference(
     splits: tuple[int, ...] | None = None,
     snapshots: bool = False,
     out_dtype=None,
+    slots: jax.Array | None = None,
 ):
     """The decode step's conv and its f_b | g_b projections, which share one launch on the
-    kernel path: `conv_decode_reference(x, conv_state, w, ...)` and `proj_many_reference(xs,
-    ws)`. Returns (out or its segments, new_state, states | None, ys)."""
+    kernel path: `conv_decode_reference(x, conv_state, w, ..., slots)` and
+    `proj_many_reference(xs, ws)`. Returns (out or its segments, new_state, states | None, ys)."""
     out, new_state, states = conv_decode_reference(
         x,
         conv_state,
@@ -149,6 +196,7 @@ def decode_front_reference(
         l2_eps=l2_eps,
         splits=splits,
         snapshots=snapshots,
+        slots=slots,
     )
     return out, new_state, states, proj_many_reference(xs, ws, out_dtype=out_dtype)
 
@@ -447,16 +495,39 @@ def decode_core_reference(
     eps: float,
     snapshots: bool = False,
     out_dtype=jnp.bfloat16,
+    slots: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Gate, beta, recurrence and gated RMSNorm for R rows per sequence.
 
     Args:
       q, k, v: [B, R, H, K] fp32 from conv_decode (q, k L2-normalised).
       f: [B, R, P] forget-gate input; b: [B, R, H] beta logits; z: [B, R, P] output gate.
-      state: [B, H, K, V] fp32.
+      state: [B, H, K, V] fp32; with slots [B] int32, a pool [N, H, K, V] read and written at
+        slots[b] (a negative slot writes nothing; its y and snaps are `slot_fill`'s).
     Returns:
-      y: [B, R, P] out_dtype (o_norm output); new_state; snaps [B, R, H, K, V] or None.
+      y: [B, R, P] out_dtype (o_norm output); new_state (or the pool); snaps [B, R, H, K, V] or
+      None.
     """
+    if slots is not None:
+        y, new_rows, snaps = decode_core_reference(
+            q,
+            k,
+            v,
+            f,
+            b,
+            z,
+            pool_rows(state, slots),
+            a_log,
+            dt_bias,
+            o_norm_w,
+            scale=scale,
+            lower_bound=lower_bound,
+            eps=eps,
+            snapshots=snapshots,
+            out_dtype=out_dtype,
+        )
+        snaps = None if snaps is None else slot_fill(slots, snaps)
+        return slot_fill(slots, y), pool_write(state, slots, new_rows), snaps
     g, beta = gate_reference(f, b, a_log, dt_bias, head_dim=q.shape[-1], lower_bound=lower_bound)
     o, new_state, snaps = recurrent_reference(
         q, k, v, g, beta, state, scale=scale, snapshots=snapshots
@@ -483,6 +554,7 @@ def prefill_core_reference(
     eps: float,
     out_dtype=jnp.bfloat16,
     poison: jax.Array | None = None,
+    slots: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Gate, beta, chunked recurrence and gated RMSNorm over T padded tokens.
 
@@ -494,9 +566,32 @@ def prefill_core_reference(
       f: [B, T, P]; b: [B, T, H]; z: [B, T, P]; state: [B, H, K, V] fp32; lengths: [B] int32.
       poison: optional [B] int32 >= lengths: positions lengths[b] <= t < poison[b] output NaN
         (the real tokens from a row's first non-finite one on).
+      slots: [B] int32 or None: state is then a pool [N, H, K, V] whose row slots[b] row b
+        starts from and is written back to; a negative slot writes nothing (give it length 0).
     Returns:
-      y: [B, T, P] out_dtype; new_state: [B, H, K, V] fp32.
+      y: [B, T, P] out_dtype; new_state: [B, H, K, V] fp32 (with slots, the pool).
     """
+    if slots is not None:
+        y, new_rows = prefill_core_reference(
+            q,
+            k,
+            v,
+            f,
+            b,
+            z,
+            pool_rows(state, slots),
+            lengths,
+            a_log,
+            dt_bias,
+            o_norm_w,
+            scale=scale,
+            chunk=chunk,
+            lower_bound=lower_bound,
+            eps=eps,
+            out_dtype=out_dtype,
+            poison=poison,
+        )
+        return y, pool_write(state, slots, new_rows)
     t = q.shape[1]
     valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
     g, beta = gate_reference(f, b, a_log, dt_bias, head_dim=q.shape[-1], lower_bound=lower_bound)

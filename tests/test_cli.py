@@ -99,11 +99,6 @@ BAD_ARGUMENTS = [
         ["--preset", "kimi-linear-48b", "--batch", "64", "--prompt", "1e6"],
         ["needs about", "D=2304 H=32 K=128"],
     ),
-    (["--backend", "pallas", "--batch", "65"], ["--batch=65", "at most 64 rows", "MAX_TILE"]),
-    (
-        ["--backend", "pallas", "--batch", "9", "--verify", "8"],
-        ["--batch=9 x --verify=8 = 72 rows", "at most 64 rows"],
-    ),
 ]
 
 

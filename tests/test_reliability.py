@@ -201,14 +201,6 @@ def test_pallas_gradient_is_refused_clearly(rng):
         jax.grad(lambda s: K.decode_k(p, cfg, x[:, :2], s, backend="pallas")[0].sum())(s0)
 
 
-def test_pallas_envelope_errors_name_the_limit(rng):
-    cfg, p, _, _ = _block("tiny", rng)
-    with pytest.raises(ValueError, match=r"decode: 65 rows \(B \* k\) exceed .* limit of 64"):
-        K.decode(p, cfg, jnp.ones((65, cfg.hidden)), K.KdaState.zeros(cfg, 65), backend="pallas")
-    with pytest.raises(ValueError, match=r"decode_k: 72 rows \(B \* k\) exceed"):
-        K.decode_k(p, cfg, jnp.ones((9, 8, cfg.hidden)), K.KdaState.zeros(cfg, 9), backend="pallas")
-
-
 def test_x64_runs_on_xla_and_is_refused_clearly_on_pallas(rng):
     cfg, p, s0, key = _block("tiny", rng)
     x = jax.random.normal(key, (2, 20, cfg.hidden))
