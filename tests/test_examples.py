@@ -15,6 +15,8 @@ import pytest
 from conftest import ON_GPU, TOL, rel_rms
 from flax import nnx
 
+import kda_jax as K
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import recall  # noqa: E402
 
@@ -137,3 +139,20 @@ def test_a_few_training_steps_lower_the_loss():
     assert [h["step"] for h in history] == [10, 20]
     assert losses[-1] < losses[0], losses
     assert all(0.0 <= h["eval_acc"] <= 1.0 for h in history)
+
+
+@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_serve_runs_a_trace_and_its_pool_matches_prefill(backend, capsys):
+    """examples/serve.py end to end on a small trace: every request retires, and a retired
+    sequence's pooled state equals one prefill of its inputs (the example's own check)."""
+    import serve
+
+    cfg = K.preset("tiny")
+    params = K.init_params(cfg, jax.random.key(0), jnp.float32)
+    eng = serve.EngineConfig(slots=5, max_prompts=2, bucket=20, max_decode=4)
+    trace = serve.make_trace(6, 3, eng.bucket, 4, seed=1)
+    res = serve.serve(params, cfg, eng, trace, backend=backend, progress=False)
+    assert res["tokens"] == sum(r.prompt_len + r.gen_len for r in trace)
+    assert res["check"] < FP32_TOL
+    assert serve.main(["--requests", "5", "--steps", "2", "--max-gen", "3"]) == 0
+    assert "tokens/s" in capsys.readouterr().out
