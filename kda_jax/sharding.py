@@ -273,8 +273,11 @@ def _sharded_state(s: KdaState) -> KdaState:
     return KdaState(recurrent=s.recurrent, conv=c.reshape(*c.shape[:-1], 3, -1))
 
 
-def _reduce(y: jax.Array) -> jax.Array:
-    """The one collective: the sum of the shards' o_proj partials, in fp32, cast once."""
+def _reduce(y: jax.Array, model: int) -> jax.Array:
+    """The one collective: the sum of the shards' o_proj partials, in fp32, cast once (none on
+    a 'model' axis of 1, where the partial is the whole)."""
+    if model == 1:
+        return y
     return jax.lax.psum(y.astype(jnp.float32), MODEL).astype(y.dtype)
 
 
@@ -328,13 +331,14 @@ def prefill(
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _prefill(sp, cfg, x, state, lengths, *, backend, interpret):
-    lcfg = local_config(cfg, int(sp.mesh.shape[MODEL]))
+    model = int(sp.mesh.shape[MODEL])
+    lcfg = local_config(cfg, model)
 
     def body(p, x, s, lengths):
         y, s = forward.prefill(
             p.local(), lcfg, x, _local_state(s), lengths, backend=backend, interpret=interpret
         )
-        return _reduce(y), _sharded_state(s)
+        return _reduce(y, model), _sharded_state(s)
 
     specs = state_specs()
     run = _shard_map(body, sp, (P(DATA), specs, P(DATA)), (P(DATA), specs))
@@ -357,13 +361,14 @@ def decode(
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _decode(sp, cfg, x, state, *, backend, interpret):
-    lcfg = local_config(cfg, int(sp.mesh.shape[MODEL]))
+    model = int(sp.mesh.shape[MODEL])
+    lcfg = local_config(cfg, model)
 
     def body(p, x, s):
         y, s = forward.decode(
             p.local(), lcfg, x, _local_state(s), backend=backend, interpret=interpret
         )
-        return _reduce(y), _sharded_state(s)
+        return _reduce(y, model), _sharded_state(s)
 
     specs = state_specs()
     return _shard_map(body, sp, (P(DATA), specs), (P(DATA), specs))(sp, x, state)
@@ -389,13 +394,14 @@ def decode_k(
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _decode_k(sp, cfg, x, state, *, backend, interpret):
-    lcfg = local_config(cfg, int(sp.mesh.shape[MODEL]))
+    model = int(sp.mesh.shape[MODEL])
+    lcfg = local_config(cfg, model)
 
     def body(p, x, s):
         y, s, snaps = forward.decode_k(
             p.local(), lcfg, x, _local_state(s), backend=backend, interpret=interpret
         )
-        return _reduce(y), _sharded_state(s), _sharded_state(snaps)
+        return _reduce(y, model), _sharded_state(s), _sharded_state(snaps)
 
     specs = state_specs()
     out = (P(DATA), specs, state_specs(snapshots=True))
