@@ -49,6 +49,7 @@ __all__ = [
     "prefill",
     "decode",
     "decode_k",
+    "load_hf_sharded",
 ]
 
 DATA, MODEL = "data", "model"
@@ -406,3 +407,62 @@ def _decode_k(sp, cfg, x, state, *, backend, interpret):
     specs = state_specs()
     out = (P(DATA), specs, state_specs(snapshots=True))
     return _shard_map(body, sp, (P(DATA), specs), out)(sp, x, state)
+
+
+def load_hf_sharded(
+    path, layer_idx: int, mesh: Mesh, cfg: KdaConfig | None = None, *, dtype=jnp.bfloat16
+) -> tuple[KdaConfig, ShardedParams]:
+    """Layer `layer_idx` of a Hugging Face checkpoint straight into the sharded layout.
+
+    Each device's blocks are read from the safetensors files alone (`get_slice`): no device and
+    no host holds a whole matrix of another shard. Checks and errors as `load_hf_params`.
+    Returns (cfg, params on `mesh`); the values equal `shard_params(load_hf_params(...))`.
+    """
+    from kda_jax.hf import checked_layer
+
+    model = _model_size(mesh, "load_hf_sharded")
+    cfg, ckpt, prefix, conv_names = checked_layer(path, layer_idx, cfg)
+    lcfg = local_config(cfg, model)
+    p, h, w, d = cfg.qkv_dim, cfg.heads, cfg.conv_kernel, cfg.hidden
+    pl, hl = lcfg.qkv_dim, lcfg.heads
+    all_ = slice(None)
+
+    def read(short, *index):
+        return np.asarray(ckpt.read_slice(prefix + short, index), np.float32)
+
+    def w_in(index):
+        i = index[0].start // lcfg.in_proj_dim if index[0].start else 0
+        rows = [read(f"{n}_proj.weight", slice(i * pl, (i + 1) * pl)) for n in "qkv"]
+        rows += [read("f_a_proj.weight", all_), read("g_a_proj.weight", all_)]
+        rows.append(read("b_proj.weight", slice(i * hl, (i + 1) * hl)))
+        return np.concatenate(rows)[:, index[1]]
+
+    def conv_w(index):
+        ch = index[1]
+        a, b = ch.start or 0, p if ch.stop is None else ch.stop
+        if len(conv_names) == 1:  # one fused [3P, (1,) W] tensor
+            parts = [read(conv_names[0], slice(j * p + a, j * p + b)) for j in range(3)]
+        else:
+            parts = [read(f"{n}_conv1d.weight", slice(a, b)) for n in "qkv"]
+        return np.stack([q.reshape(b - a, w) for q in parts])[index[0]][..., index[2]]
+
+    def small(short, n):  # [H] / [1, 1, H, 1] / [H, K] tensors: a few floats, read whole
+        return lambda index: read(short, all_).reshape(n)[index]
+
+    readers = dict(
+        w_in=(w_in, (model * lcfg.in_proj_dim, d), dtype),
+        f_b=(lambda ix: read("f_b_proj.weight", *ix), (p, cfg.head_dim), dtype),
+        g_b=(lambda ix: read("g_b_proj.weight", *ix), (p, cfg.head_dim), dtype),
+        conv_w=(conv_w, (3, p, w), jnp.float32),
+        a_log=(small("A_log", h), (h,), jnp.float32),
+        dt_bias=(small("dt_bias", p), (p,), jnp.float32),
+        o_norm_w=(lambda ix: read("o_norm.weight", *ix), (cfg.head_dim,), jnp.float32),
+        o_proj=(lambda ix: read("o_proj.weight", *ix), (d, p), dtype),
+    )
+    fields = {}
+    for name, (reader, shape, dt) in readers.items():
+        sharding = NamedSharding(mesh, _SHARDED_SPECS[name])
+        fields[name] = jax.make_array_from_callback(
+            shape, sharding, lambda ix, r=reader, dt=dt: r(ix).astype(jnp.dtype(dt))
+        )
+    return cfg, ShardedParams(**fields, mesh=mesh)

@@ -7,6 +7,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import TOL, assert_close, normal
 from jax.sharding import NamedSharding
@@ -128,3 +129,28 @@ def test_batch_not_divisible_by_data_axis_is_refused(rng):
         S.shard_state(state, CFG, mesh)
     with pytest.raises(ValueError, match="state.conv has shape"):
         S.decode(sp, CFG, x[:4, 0], KdaState.zeros(CFG, 4))  # a canonical, unsharded state
+
+
+@pytest.mark.parametrize("conv_layout,shards", [("split3d", 1), ("fused", 3)])
+def test_load_hf_sharded_reads_slices_and_equals_shard_params(
+    conv_layout, shards, rng, tmp_path, monkeypatch
+):
+    from kda_jax import hf
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    params = init_params(CFG, rng, jnp.float32)
+    hf.save_hf_checkpoint(tmp_path, CFG, params, conv_layout=conv_layout, shards=shards)
+    want = S.shard_params(params, CFG, mesh)
+
+    def whole(*_):
+        raise AssertionError("load_hf_sharded read a whole tensor")
+
+    monkeypatch.setattr(hf._Checkpoint, "read", whole)
+    cfg, got = S.load_hf_sharded(tmp_path, 0, mesh, dtype=jnp.float32)
+    assert cfg == CFG.replace(chunk=cfg.chunk)  # config.json has no chunk
+    for name in S.PARAM_AXES:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), name
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    rows = S.local_config(CFG, 4).in_proj_dim
+    assert {sh.data.shape for sh in got.w_in.addressable_shards} == {(rows, CFG.hidden)}
