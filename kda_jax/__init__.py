@@ -2,11 +2,12 @@
 
 Functional core: `prefill`, `decode`, `decode_k` over (`KdaParams`, `KdaConfig`, `KdaState`);
 Flax NNX module: `KimiDeltaAttention`; checkpoints: `load_hf_layer`; fp32 oracle:
-`oracle_forward`.
+`oracle_forward`; many devices: `kda_jax.sharding`.
 """
 
 __version__ = "0.1.0"  # as pyproject.toml's [project] version
 
+from kda_jax import sharding
 from kda_jax.config import PRESETS, KdaConfig, preset
 from kda_jax.forward import decode, decode_k, prefill
 from kda_jax.hf import CheckpointError, load_hf_layer, load_hf_params, save_hf_checkpoint
@@ -36,4 +37,5 @@ __all__ = [
     "save_hf_checkpoint",
     "oracle_forward",
     "STAGES",
+    "sharding",
 ]

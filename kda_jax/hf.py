@@ -117,6 +117,15 @@ class _Checkpoint:
             )
         return fn, *header[name]
 
+    def read_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """`tensor[index]` read from the file alone (safetensors `get_slice`), as numpy."""
+        fn = self.files[name]
+        try:
+            with safe_open(fn, framework="numpy") as f:
+                return np.asarray(f.get_slice(name)[index])
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{fn!r}: cannot read tensor {name!r}{list(index)}: {e}") from e
+
     def read(self, name: str) -> np.ndarray:
         """The tensor as numpy (bf16 arrives as ml_dtypes.bfloat16)."""
         fn = self.files[name]
@@ -224,28 +233,11 @@ def _layer_spec(cfg: KdaConfig, conv_names: list[str]) -> dict[str, tuple[tuple[
 _KDA_ONLY = ("A_log", "dt_bias", "f_a_proj.weight", "b_proj.weight", "q_conv1d.weight")
 
 
-def load_hf_params(
-    path: str | os.PathLike,
-    layer_idx: int,
-    cfg: KdaConfig | None = None,
-    *,
-    dtype=jnp.bfloat16,
-) -> tuple[KdaConfig, KdaParams]:
-    """Reads layer `layer_idx` (0-based, the `model.layers.{i}` index) into the fused layout.
+def checked_layer(path: str | os.PathLike, layer_idx: int, cfg: KdaConfig | None = None):
+    """Every check `load_hf_params` makes, from config.json and the safetensors headers only.
 
-    Args:
-      path: checkpoint directory.
-      layer_idx: which block (an int, numpy integers included); must be a KDA layer when
-        config.json lists `kda_layers`.
-      cfg: the block's config; default `read_hf_config(path)`.
-      dtype: dtype of the matrices; conv, A_log, dt_bias and o_norm are always fp32.
-    Returns:
-      (cfg, params).
-    Raises:
-      FileNotFoundError: no directory, no config.json or no safetensors file.
-      CheckpointError (a ValueError): naming the file and tensor, the value found and the one
-        expected: a missing, misshaped, non-floating or duplicated tensor, a truncated or
-        unreadable file, a bad index, a layer that is not a KDA layer.
+    Returns (cfg, checkpoint, tensor-name prefix, conv tensor names); raises as
+    `load_hf_params` does. The sharded loader (`kda_jax.sharding.load_hf_sharded`) shares it.
     """
     path = os.fspath(path)
     layer_idx = _index(layer_idx, "layer_idx")
@@ -309,11 +301,36 @@ def load_hf_params(
                 f"(hidden={cfg.hidden}, heads={cfg.heads}, head_dim={cfg.head_dim}, "
                 f"conv_kernel={cfg.conv_kernel})"
             )
+    return cfg, ckpt, prefix, fused[:1] or split
 
-    # Every tensor is known good: read them.
-    t = {short: ckpt.read(prefix + short) for short in spec}
+
+def load_hf_params(
+    path: str | os.PathLike,
+    layer_idx: int,
+    cfg: KdaConfig | None = None,
+    *,
+    dtype=jnp.bfloat16,
+) -> tuple[KdaConfig, KdaParams]:
+    """Reads layer `layer_idx` (0-based, the `model.layers.{i}` index) into the fused layout.
+
+    Args:
+      path: checkpoint directory.
+      layer_idx: which block (an int, numpy integers included); must be a KDA layer when
+        config.json lists `kda_layers`.
+      cfg: the block's config; default `read_hf_config(path)`.
+      dtype: dtype of the matrices; conv, A_log, dt_bias and o_norm are always fp32.
+    Returns:
+      (cfg, params).
+    Raises:
+      FileNotFoundError: no directory, no config.json or no safetensors file.
+      CheckpointError (a ValueError): naming the file and tensor, the value found and the one
+        expected: a missing, misshaped, non-floating or duplicated tensor, a truncated or
+        unreadable file, a bad index, a layer that is not a KDA layer.
+    """
+    cfg, ckpt, prefix, conv_names = checked_layer(path, layer_idx, cfg)
+    t = {short: ckpt.read(prefix + short) for short in _layer_spec(cfg, conv_names)}
     h, p, w = cfg.heads, cfg.qkv_dim, cfg.conv_kernel
-    conv_w = np.concatenate([t[n].reshape(-1, w).astype(np.float32) for n in (fused[:1] or split)])
+    conv_w = np.concatenate([t[n].reshape(-1, w).astype(np.float32) for n in conv_names])
     w_in = np.concatenate(
         [t[f"{n}_proj.weight"] for n in ("q", "k", "v", "f_a", "g_a", "b")], dtype=np.float32
     )

@@ -9,6 +9,7 @@ from flax import nnx
 from kda_jax import backends, forward
 from kda_jax.config import KdaConfig
 from kda_jax.params import KdaParams, init_params
+from kda_jax.sharding import PARAM_AXES
 from kda_jax.state import KdaState
 
 __all__ = ["KimiDeltaAttention"]
@@ -16,12 +17,20 @@ __all__ = ["KimiDeltaAttention"]
 _FIELDS = ("w_in", "f_b", "g_b", "conv_w", "a_log", "dt_bias", "o_norm_w", "o_proj")
 
 
+def _param(name: str, value: jax.Array) -> nnx.Param:
+    """An nnx.Param annotated with its partition axes over a ('data', 'model') mesh
+    (`kda_jax.sharding.PARAM_AXES`), read by `nnx.get_partition_spec`; not placed eagerly, so
+    a module is built the same with or without a mesh."""
+    return nnx.Param(value, out_sharding=PARAM_AXES[name], eager_sharding=False)
+
+
 class KimiDeltaAttention(nnx.Module):
     """One KDA block (SPEC §1) as a Flax NNX module.
 
-    Each weight of `KdaParams` is an `nnx.Param` of the same name; `params()` returns them as a
-    `KdaParams` for the functional core. The state is explicit: every method takes a `KdaState`
-    and returns the new one (see `init_state`).
+    Each weight of `KdaParams` is an `nnx.Param` of the same name, annotated with its partition
+    axes (`nnx.get_partition_spec`; heads over 'model', see `kda_jax.sharding`); `params()`
+    returns them as a `KdaParams` for the functional core. The state is explicit: every method
+    takes a `KdaState` and returns the new one (see `init_state`).
 
     Args:
       cfg: the block's config (validated here, kept as `.cfg`).
@@ -47,7 +56,7 @@ class KimiDeltaAttention(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         p = init_params(cfg, rngs.params(), dtype if param_dtype is None else param_dtype)
         for name in _FIELDS:
-            setattr(self, name, nnx.Param(getattr(p, name)))
+            setattr(self, name, _param(name, getattr(p, name)))
 
     @classmethod
     def from_params(
@@ -66,7 +75,7 @@ class KimiDeltaAttention(nnx.Module):
             )
         )
         for name in _FIELDS:
-            setattr(blk, name, nnx.Param(getattr(params, name)))
+            setattr(blk, name, _param(name, getattr(params, name)))
         return blk
 
     def params(self) -> KdaParams:

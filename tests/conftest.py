@@ -27,6 +27,9 @@ TOL = dict(
     # prefill, decode_k's rows vs serial decodes): only the fp32 summation order differs.
     same_path_fp32=1e-5,
     same_path_fp32_tree=dict(rtol=1e-5, atol=1e-6),  # the same, leaf by leaf (chex trees)
+    # The block on a mesh against one device, fp32: per head the same arithmetic; o_proj's sum
+    # over P is cut into one partial per model shard plus an all-reduce (a summation order).
+    sharded_vs_unsharded=1e-5,
     # The conv state holds raw projections: copies of one dot's output, at most computed in another
     # batch shape (a split prefill, a snapshot, the stage's own inputs), so equal to fp32 rounding.
     conv_state_copy=dict(rtol=1e-6, atol=1e-6),

@@ -18,6 +18,7 @@ SCRIPTS = [
     "bench_decode",
     "bench_gemv",
     "bench_prefill",
+    "bench_sharding",
     "block_profile",
     "decode_profile",
     "stage_profile",

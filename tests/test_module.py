@@ -116,3 +116,23 @@ def test_weight_decay_mask_leaves_out_gate_and_norm():
     upd, _ = tx.update(zero, tx.init(p), p)
     for n, decays in want.items():
         assert bool(jnp.any(getattr(upd, n) != 0)) == decays, n
+
+
+def test_module_params_carry_partition_specs():
+    """nnx.get_partition_spec gives the head split of kda_jax.sharding.PARAM_AXES; the fused w_in
+    and conv_w (q | k | v interleave across any row split) stay whole."""
+    from jax.sharding import PartitionSpec as P
+
+    cfg = K.preset("tiny")
+    blk = K.KimiDeltaAttention(cfg, rngs=nnx.Rngs(0), backend="xla", dtype=jnp.float32)
+    specs = nnx.get_partition_spec(nnx.state(blk, nnx.Param))
+    got = {name: specs[name].get_value() for name in ("w_in", "f_b", "a_log", "o_norm_w", "o_proj")}
+    assert got == dict(
+        w_in=P(None, None),
+        f_b=P("model", None),
+        a_log=P("model"),
+        o_norm_w=P(None),
+        o_proj=P(None, "model"),
+    )
+    loaded = K.KimiDeltaAttention.from_params(cfg, blk.params(), backend="xla")
+    assert nnx.get_partition_spec(nnx.state(loaded, nnx.Param))["dt_bias"].get_value() == P("model")
