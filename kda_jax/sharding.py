@@ -282,11 +282,22 @@ def _reduce(y: jax.Array, model: int) -> jax.Array:
     return jax.lax.psum(y.astype(jnp.float32), MODEL).astype(y.dtype)
 
 
-def _shard_map(body, sp: ShardedParams, in_specs, out_specs):
+def _shard_map(body, sp: ShardedParams, in_specs, out_specs, backend: str):
     """`body` per shard; the arguments are first placed as `in_specs` say (a no-op for inputs
-    already laid out so: a caller's arrays elsewhere are moved, never computed wrongly)."""
+    already laid out so: a caller's arrays elsewhere are moved, never computed wrongly).
+
+    On the xla backend shard_map checks that y is replicated over 'model' (the psum makes it
+    so); the check is off for the pallas backend (its pallas_calls' output shapes carry no
+    varying-axis types) and on a 'model' axis of 1 (no psum runs there to prove it).
+    """
     specs = (sp.specs(), *in_specs)
-    run = jax.shard_map(body, mesh=sp.mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
+    run = jax.shard_map(
+        body,
+        mesh=sp.mesh,
+        in_specs=specs,
+        out_specs=out_specs,
+        check_vma=backend == "xla" and sp.mesh.shape[MODEL] > 1,
+    )
 
     def placed(*args):
         return run(*jax.tree.map(lambda a, s: _place(a, sp.mesh, s), args, specs))
@@ -342,7 +353,7 @@ def _prefill(sp, cfg, x, state, lengths, *, backend, interpret):
         return _reduce(y, model), _sharded_state(s)
 
     specs = state_specs()
-    run = _shard_map(body, sp, (P(DATA), specs, P(DATA)), (P(DATA), specs))
+    run = _shard_map(body, sp, (P(DATA), specs, P(DATA)), (P(DATA), specs), backend)
     return run(sp, x, state, lengths)
 
 
@@ -372,7 +383,7 @@ def _decode(sp, cfg, x, state, *, backend, interpret):
         return _reduce(y, model), _sharded_state(s)
 
     specs = state_specs()
-    return _shard_map(body, sp, (P(DATA), specs), (P(DATA), specs))(sp, x, state)
+    return _shard_map(body, sp, (P(DATA), specs), (P(DATA), specs), backend)(sp, x, state)
 
 
 def decode_k(
@@ -406,7 +417,7 @@ def _decode_k(sp, cfg, x, state, *, backend, interpret):
 
     specs = state_specs()
     out = (P(DATA), specs, state_specs(snapshots=True))
-    return _shard_map(body, sp, (P(DATA), specs), out)(sp, x, state)
+    return _shard_map(body, sp, (P(DATA), specs), out, backend)(sp, x, state)
 
 
 def load_hf_sharded(

@@ -17,7 +17,7 @@ from kda_jax import forward
 from kda_jax import sharding as S
 from kda_jax.config import KdaConfig
 from kda_jax.params import init_params
-from kda_jax.state import KdaState
+from kda_jax.state import KdaState, select_snapshot
 
 assert len(jax.devices()) == 8, (
     f"this file needs 8 devices, found {len(jax.devices())}: run it through test_sharding.py"
@@ -101,6 +101,10 @@ def test_entry_points_equal_unsharded_with_one_all_reduce(shape, rng):
     for name in ("recurrent", "conv"):
         assert_sharded_like(getattr(sk, name), mesh, getattr(st_spec, name), f"decode_k {name}")
         assert_sharded_like(getattr(snaps, name), mesh, getattr(snap_spec, name), f"snap {name}")
+    idx = jnp.arange(b_) % 4 - 1  # -1 (no token accepted) to 2
+    picked = select_snapshot(snaps, idx, before=sd)
+    assert_state_close(picked, select_snapshot(snaps_ref, idx, before=sd_ref), "select_snapshot")
+    assert_sharded_like(picked.conv, mesh, st_spec.conv, "select_snapshot conv")
     fn = lambda sp, x, s: S.decode_k(sp, CFG, x, s, backend="xla")  # noqa: E731
     assert collectives(fn, sp, x[:, :3], sd) == want_coll
 
