@@ -96,9 +96,17 @@ def _run(backend, b, n, entry, rng, k=3, t=20):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("entry", ["decode", "decode_k", "prefill"])
+@pytest.mark.parametrize(
+    "entry", ["decode", "decode_k", pytest.param("prefill", marks=pytest.mark.slow)]
+)
 def test_pool_equals_dense_on_the_gathered_rows(backend, entry, rng):
     _run(backend, 3, 7, entry, rng)
+
+
+def test_xla_prefill_pool_equals_dense(rng):
+    """The fast tier's prefill case (pallas prefill from a pool: the slow tier, and the refused
+    rows' test below)."""
+    _run("xla", 3, 7, "prefill", rng)
 
 
 @pytest.mark.slow
