@@ -24,10 +24,19 @@ Cases:
   when fla cannot import. (fla 0.6.0's public wrapper swallows `inplace_final_state=True` in
   **kwargs and allocates the final state, as when the reference figures were taken.)
 
+- `decode_pool` (`--pool` runs these cases alone): `decode` at B = 1, 8, 64, 256, 1024 from a
+  state pool of 2B slots, the B rows at shuffled slots (`slots=`, the pool donated as the loop
+  carry), pallas. Floor: the weights plus the B named states read and written. Baseline: FLA
+  0.6.0's layer `KimiDeltaAttention` decode step (SPEC §10: a cache primed with 16 tokens, then
+  `layer(x[B, 1, D], past_key_values=cache, use_cache=True)`), eager and as a CUDA graph; the
+  faster is the baseline, both are recorded.
+- `decode_k_pool` (with `--pool`): k = 4 at B = 64 from a pool of 128. Floor: weights once, the
+  states read once and the snapshots written k times. Baseline: one `decode_pool` step at B=64.
+
 Each record: bench, shape, backend, time_us (null + error when the case failed), floor_us,
 fraction (= floor_us / time_us), baseline ({name, time_us} or null), date, commit, device, command.
 
-Usage: python benchmarks/bench_decode.py [--quick] [--tiles] [--out PATH]
+Usage: python benchmarks/bench_decode.py [--quick] [--tiles] [--pool] [--out PATH]
 The records are merged into benchmarks/results/<bench>.json (a newer record replaces the one of
 the same bench, shape and backend); --out PATH writes this run's records to PATH instead.
 """
@@ -134,6 +143,84 @@ def bench_block(cfg, params, batches, n, reps, records, meta):
             serial,
             "pallas decode (one token)",
         )
+
+
+POOL_BATCHES = (1, 8, 64, 256, 1024)
+
+
+def pool_case(cfg, params, b: int, key, k: int = 0, backend: str = "pallas"):
+    """One pool case: (step, carry, floor_us) for `decode` (k = 0) or `decode_k` at B rows from
+    a pool of 2B random states, the rows at shuffled distinct slots. The carry is (x, pool): the
+    pool is the loop's donated carry; the output feeds the next step's input."""
+    kx, ks, kp = jax.random.split(key, 3)
+    pool = random_state(cfg, 2 * b, ks)
+    slots = jax.random.permutation(kp, 2 * b)[:b].astype(jnp.int32)
+    shape = (b, cfg.hidden) if k == 0 else (b, k, cfg.hidden)
+    x = jax.random.normal(kx, shape, jnp.float32).astype(params.dtype)
+
+    def step(carry):
+        if k == 0:
+            y, new = forward.decode(params, cfg, carry[0], carry[1], slots=slots, backend=backend)
+        else:
+            y, new, _ = forward.decode_k(
+                params, cfg, carry[0], carry[1], slots=slots, backend=backend
+            )
+        return y.astype(carry[0].dtype), new
+
+    writes = 1 if k == 0 else k  # the new states, or the k snapshots
+    floor = (cfg.weight_bytes() + (1 + writes) * b * cfg.state_bytes()) / BANDWIDTH * 1e6
+    return step, (x, pool), floor
+
+
+def bench_pool(cfg, params, batches, n, reps, records, meta):
+    """Decode from a pool of 2B slots against FLA's layer decode step, and decode_k k = 4 at
+    B = 64 from a pool of 128."""
+    try:
+        layer = common.fla_layer(cfg, cfg.gate_lower_bound)
+    except Exception as e:  # noqa: BLE001 - the reason is printed and baseline is null
+        layer = None
+        print(f"[decode_pool] FLA layer unavailable: {e!r}", file=sys.stderr)
+    times = {}
+    for b in batches:
+        fla = None
+        if layer is not None:
+            try:
+                fla = common.fla_layer_decode_us(layer, b, reps=reps)
+            except Exception as e:  # noqa: BLE001 - printed, baseline null
+                print(f"[decode_pool B={b}] FLA failed: {e!r}", file=sys.stderr)
+        step, carry, floor = pool_case(cfg, params, b, jax.random.key(300 + b))
+        run = functools.partial(common.time_loop, step, carry, n, reps, differential=True)
+        base = None if fla is None else min(fla.values())
+        kind = None if fla is None else min(fla, key=fla.get)
+        times[b] = common.run_case(
+            records,
+            meta,
+            "decode_pool",
+            f"B={b},N={2 * b},D={cfg.hidden},H={cfg.heads},K={cfg.head_dim}",
+            "pallas",
+            run,
+            floor,
+            base,
+            f"{common.FLA_LAYER_NAME} decode ({'CUDA graph' if kind == 'graph' else 'eager'})",
+            vs_baseline=lambda us, f=base: None if f is None else round(us / f, 3),
+            fla_eager_us=None if fla is None else fla["eager"],
+            fla_graph_us=None if fla is None else fla["graph"],
+        )
+        del carry
+    b, k = 64, 4
+    step, carry, floor = pool_case(cfg, params, b, jax.random.key(400), k=k)
+    run = functools.partial(common.time_loop, step, carry, n, reps, differential=True)
+    common.run_case(
+        records,
+        meta,
+        "decode_k_pool",
+        f"B={b},k={k},N={2 * b},D={cfg.hidden},H={cfg.heads}",
+        "pallas",
+        run,
+        floor,
+        times.get(b),
+        "pallas decode_pool (one token)",
+    )
 
 
 def _core_inputs(b, h, kd, key):
@@ -346,6 +433,12 @@ def main():
         action="store_true",
         help="also time the non-default tilings of the decode core and conv_decode (tuning)",
     )
+    parser.add_argument(
+        "--pool",
+        action="store_true",
+        help="only the slot-pool cases: decode at B = 1..1024 from a pool of 2B against FLA's "
+        "layer, decode_k k=4 at B=64",
+    )
     args = parser.parse_args()
     cfg = preset("kimi-linear-48b")
     params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
@@ -356,9 +449,12 @@ def main():
     # than the step itself (2026-12-01, the records' note).
     records = common.Records(args.out)
     tiles = ((32, 64) if args.quick else None) if args.tiles else ()
-    bench_core(cfg, batches, 64, reps, records, meta, tiles=tiles)
-    bench_block(cfg, params, batches, 64, reps, records, meta)
-    bench_conv(cfg, params, batches, 64, reps, records, meta, tiles=args.tiles)
+    if args.pool:
+        bench_pool(cfg, params, POOL_BATCHES, 64, reps, records, meta)
+    else:
+        bench_core(cfg, batches, 64, reps, records, meta, tiles=tiles)
+        bench_block(cfg, params, batches, 64, reps, records, meta)
+        bench_conv(cfg, params, batches, 64, reps, records, meta, tiles=args.tiles)
     print(
         f"\n{'bench':<12}{'shape':<34}{'backend':<22}{'time_us':>9}{'floor_us':>9}"
         f"{'x_floor':>8}  baseline"

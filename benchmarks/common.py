@@ -139,6 +139,70 @@ def fla_layer_prefill_us(layer, b: int, t: int, reps: int = 7, calls: int = 10) 
     return dict(eager=round(eager, 2), graph=round(graph, 2))
 
 
+class _StateCache:
+    """The cache object FLA's layer reads and writes in decode (SPEC §10: `__len__`,
+    `__getitem__`, `update`). `update` copies the new states into the tensors it already holds,
+    so the replays of a captured CUDA graph read and write one set of buffers."""
+
+    def __init__(self):
+        self.layers = []
+
+    def __len__(self):
+        return len(self.layers)
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def update(self, layer_idx, recurrent_state=None, conv_state=None, offset=1, **_):
+        new = dict(recurrent_state=recurrent_state, conv_state=conv_state)
+        if layer_idx < len(self.layers):
+            old = self.layers[layer_idx]
+            for key, value in new.items():
+                for dst, src in zip(_tensors(old[key]), _tensors(value), strict=True):
+                    if dst is not src:
+                        dst.copy_(src)
+        else:
+            self.layers.append(new)
+        return self.layers[layer_idx]
+
+
+def _tensors(state) -> tuple:
+    """A state entry (a tensor, a tuple of them, or None) as a tuple of tensors."""
+    if state is None:
+        return ()
+    return tuple(state) if isinstance(state, tuple | list) else (state,)
+
+
+def fla_layer_decode_us(layer, b: int, reps: int = 7, calls: int = 20, prime: int = 16) -> dict:
+    """µs per decode step of FLA's layer, `layer(x[B, 1, D], past_key_values=cache,
+    use_cache=True)` (its fused_recurrent path), after a `prime`-token call filled the cache
+    (SPEC §10): `eager` (`calls` steps between CUDA events, median of `reps`) and `graph` (the
+    same steps replayed as one CUDA graph)."""
+    import torch
+
+    d = layer.hidden_size
+    x0 = torch.randn(b, prime, d, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(b, 1, d, device="cuda", dtype=torch.bfloat16)
+    cache = _StateCache()
+
+    def call():
+        return layer(x, past_key_values=cache, use_cache=True)
+
+    with torch.inference_mode():
+        layer(x0, past_key_values=cache, use_cache=True)
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+
+        def eager_calls():
+            for _ in range(calls):
+                call()
+
+        eager = _event_us(eager_calls, reps) / calls
+    graph = cuda_graph_us(call, reps, calls)
+    return dict(eager=round(eager, 2), graph=round(graph, 2))
+
+
 class Records(list):
     """A list of result records that is saved and printed on every append, so a run cut short
     by a time limit still leaves every finished case on disk.

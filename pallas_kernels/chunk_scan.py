@@ -12,7 +12,8 @@ bf16 intermediates the state is rounded to bf16 for the products with w and qg o
 does), while Delta enters its products with A and kg as a bf16 hi + lo pair, and u arrives in
 fp32: on weakly decaying heads at long T these two cut the output error by about a fifth.
 Pads need no mask here:
-`chunk_prepare` made them neutral (zero rows of w, u, qg, kg and A).
+`chunk_prepare` made them neutral (zero rows of w, u, qg, kg and A). With `slots` the initial
+and final states live in a pool [S, H, K, V] read and written at each row's slot (in place).
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ conv_decode's launch is laid out once as a `DecodePlan` (`plan_decode`), which i
 and which `front.decode_front` runs beside the f_b | g_b sweep's programs.
 
 Conv state layout (`KdaState.conv`): [B, W-1, C] fp32, oldest first (`[:, -1]` = previous row).
+With `slots`, conv_decode takes a pool [N, W-1, C] whole and each program reads and writes its
+tile at its row's slot (`_state_view`); conv_prefill takes the B rows (the caller gathers and
+scatters them: [B, W-1, C] is small).
 """
 
 from __future__ import annotations

@@ -18,6 +18,11 @@ Two ops run the kernel:
   `fused_recurrent_kda`, the work the decode core is benchmarked against.
 Every row runs the same code (`_step`), and the tiling never depends on R, so row r of an R-row
 call has the bits of the r-th of R serial 1-row calls (what `decode_k` promises).
+
+With `slots` (decode_core) the state is a pool [N, H, K, V] handed to the kernel whole: a
+program loads its tile from pool[slot] and stores it back there (the pool aliased in and out),
+so serving B of N sequences moves B states and no gathered copy; the arithmetic, and so the
+bits, are the dense call's.
 """
 
 from __future__ import annotations

@@ -40,6 +40,26 @@ def test_script_help(name):
     assert "--out" in out.stdout
 
 
+def test_bench_decode_pool_case_runs_on_the_cpu(rng):
+    """The pool case's step (tiny geometry, xla backend) updates only the named slots."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_decode
+    import jax
+    import numpy as np
+
+    from kda_jax import init_params, preset
+
+    cfg = preset("tiny")
+    params = init_params(cfg, rng)
+    for k in (0, 2):
+        step, (x, pool), floor = bench_decode.pool_case(cfg, params, 3, rng, k=k, backend="xla")
+        y, new = step((x, pool))
+        assert y.shape == x.shape and floor > 0
+        changed = np.flatnonzero(np.any(np.asarray(new.recurrent != pool.recurrent), (1, 2, 3)))
+        assert len(changed) == 3 and new.recurrent.shape[0] == 6
+        jax.block_until_ready(new)
+
+
 def test_stage_profile_configs_build_block_sizes():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import stage_profile

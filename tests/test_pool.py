@@ -21,6 +21,7 @@ import kda_jax as K
 from kda_jax import forward
 
 BACKENDS = ["xla", "pallas"]
+FP32_TOL = TOL["fp32_gpu"] if ON_GPU else TOL["fp32_cpu"]
 
 
 def _pool(cfg, key, n):
@@ -96,9 +97,17 @@ def _run(backend, b, n, entry, rng, k=3, t=20):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("entry", ["decode", "decode_k", "prefill"])
+@pytest.mark.parametrize(
+    "entry", ["decode", "decode_k", pytest.param("prefill", marks=pytest.mark.slow)]
+)
 def test_pool_equals_dense_on_the_gathered_rows(backend, entry, rng):
     _run(backend, 3, 7, entry, rng)
+
+
+def test_xla_prefill_pool_equals_dense(rng):
+    """The fast tier's prefill case (pallas prefill from a pool: the slow tier, and the refused
+    rows' test below)."""
+    _run("xla", 3, 7, "prefill", rng)
 
 
 @pytest.mark.slow
@@ -151,26 +160,28 @@ def test_xla_4096_rows_and_the_sorted_repeat_check(rng):
     np.testing.assert_array_equal(new2.recurrent[slots[-1]], pool.recurrent[slots[-1]])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
 def test_bad_slots_under_jit_write_nothing_and_output_nan(backend, rng):
     """Traced slots cannot be checked: a repeat (after its first row) or a slot outside
     [-1, N) writes nothing and its outputs, snapshots included, are NaN."""
     cfg, p, pool, _, kx = _setup(rng, 4, 6)
     slots = jnp.array([2, 2, 9, -5], jnp.int32)
     x = jax.random.normal(kx, (4, 2, cfg.hidden))
-    fn = jax.jit(lambda s, sl: K.decode_k(p, cfg, x, s, slots=sl, backend=backend))
-    y, new, snaps = fn(pool, slots)
+    fn = jax.jit(lambda p, x, s, sl: K.decode_k(p, cfg, x, s, slots=sl, backend=backend))
+    y, new, snaps = fn(p, x, pool, slots)
     assert np.isnan(np.asarray(y[1:])).all() and not np.isnan(np.asarray(y[0])).any()
     assert np.isnan(np.asarray(snaps.recurrent[1:])).all()
-    yd, nd, _ = K.decode_k(p, cfg, x[:1], _gather(pool, slots[:1]), backend=backend)
-    _same(y[:1], yd, backend, "the first row naming slot 2")
-    _check_pool(new, pool, nd, slots[:1], backend)
-    yp, newp = jax.jit(lambda s, sl: K.prefill(p, cfg, x, s, slots=sl, backend=backend))(
-        pool, slots
-    )
+    # The dense call of the same B (same tiling); its rows are independent of each other.
+    first = lambda t: jax.tree.map(lambda a: a[:1], t)  # noqa: E731
+    yd, nd, _ = K.decode_k(p, cfg, x, _gather(pool, slots), backend=backend)
+    _same(y[:1], yd[:1], backend, "the first row naming slot 2")
+    _check_pool(new, pool, first(nd), slots[:1], backend)
+    fp = jax.jit(lambda p, x, s, sl: K.prefill(p, cfg, x, s, slots=sl, backend=backend))
+    yp, newp = fp(p, x, pool, slots)
     assert np.isnan(np.asarray(yp[1:])).all()
-    ypd, npd = K.prefill(p, cfg, x[:1], _gather(pool, slots[:1]), backend=backend)
-    _check_pool(newp, pool, npd, slots[:1], backend)
+    ypd, npd = K.prefill(p, cfg, x, _gather(pool, slots), backend=backend)
+    _same(yp[:1], ypd[:1], backend, "prefill: the first row naming slot 2")
+    _check_pool(newp, pool, first(npd), slots[:1], backend)
 
 
 def test_concrete_slots_are_checked_before_work(rng):
@@ -306,3 +317,102 @@ def test_module_takes_slots(rng):
 def test_compiled_pool_equals_dense_bit_for_bit(entry, rng):
     assert ON_GPU
     _run("pallas", 8, 32, entry, rng, k=4, t=200)
+
+
+def _core_args(key, b, r, n, h=2, kd=32):
+    ks = jax.random.split(key, 10)
+    unit = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)  # noqa: E731
+    q = unit(jax.random.normal(ks[0], (b, r, h, kd)))
+    k = unit(jax.random.normal(ks[1], (b, r, h, kd)))
+    v = jax.random.normal(ks[2], (b, r, h, kd))
+    f, z = (jax.random.normal(ks[i], (b, r, h * kd)) for i in (3, 4))
+    beta = jax.random.normal(ks[5], (b, r, h))
+    pool = 0.1 * jax.random.normal(ks[6], (n, h, kd, kd))
+    a_log = 0.1 * jax.random.normal(ks[7], (h,))
+    dt = jax.random.normal(ks[8], (h * kd,))
+    w = 1.0 + 0.1 * jax.random.normal(ks[9], (kd,))
+    return (q, k, v, f, beta, z, pool, a_log, dt, w)
+
+
+@pytest.mark.parametrize("block_v", [32, 16], ids=["fused-norm", "o_norm-after"])
+def test_decode_core_pool_matches_reference(block_v, rng):
+    """The recurrent kernel on a pool, both epilogues (the o_norm kernel after it takes the
+    padding and refused rows' fill as its `keep`)."""
+    from pallas_kernels.recurrent import RecurrentBlockSizes, decode_core
+    from pallas_kernels.reference import decode_core_reference
+
+    args = _core_args(rng, 4, 2, 6)
+    slots = jnp.array([5, -1, 0, -2], jnp.int32)
+    kw = dict(scale=32**-0.5, lower_bound=None, eps=1e-5, snapshots=True, out_dtype=jnp.float32)
+    blk = RecurrentBlockSizes.with_block_v(32, block_v)
+    got = decode_core(*args, **kw, slots=slots, block_sizes=blk)
+    want = decode_core_reference(*args, **kw, slots=slots)
+    for g, w, name in ((got[0], want[0], "y"), (got[2], want[2], "snaps")):
+        assert_close(g[jnp.array([0, 2])], w[jnp.array([0, 2])], FP32_TOL, name)
+        assert np.isnan(np.asarray(g[3])).all() and not np.asarray(g[1]).any(), name
+    assert_close(got[1], want[1], FP32_TOL, "pool")
+    np.testing.assert_array_equal(got[1][1:5], args[6][1:5], err_msg="untouched slots")
+
+
+def test_conv_decode_pool_with_several_programs_per_tile(rng):
+    """R = 5 rows (two programs per channel tile, the second not reading the state) on a pool."""
+    from pallas_kernels.conv import conv_decode
+    from pallas_kernels.reference import conv_decode_reference
+
+    kx, ks, kw_ = jax.random.split(rng, 3)
+    x = jax.random.normal(kx, (3, 5, 192))
+    pool = jax.random.normal(ks, (4, 3, 192))
+    w = jax.random.normal(kw_, (192, 4))
+    slots = jnp.array([3, -1, 1], jnp.int32)
+    kw = dict(qk_channels=128, head_dim=32, l2_eps=1e-6, snapshots=True, slots=slots)
+    got = conv_decode(x, pool, w, **kw)
+    want = conv_decode_reference(x, pool, w, **kw)
+    real = jnp.array([0, 2])
+    assert_close(got[0][real], want[0][real], FP32_TOL, "out")
+    assert not np.asarray(got[0][1]).any() and not np.asarray(got[2][1]).any()
+    np.testing.assert_array_equal(got[1], want[1])  # raw inputs copied: exact
+    np.testing.assert_array_equal(got[2], want[2])
+
+
+def test_pool_kernels_lower_for_h200():
+    """The pool paths of the recurrent kernel (both epilogues, a verify's snapshots) and of
+    conv_decode (several programs per tile) in the Kimi-Linear geometry."""
+    from pallas_kernels.conv import conv_decode
+    from pallas_kernels.recurrent import RecurrentBlockSizes, decode_core
+
+    sds = jax.ShapeDtypeStruct
+    b, r, n, h, kd = 4, 8, 9, 32, 128
+    f32 = jnp.float32
+    core = (
+        *(sds((b, r, h, kd), f32) for _ in range(3)),
+        sds((b, r, h * kd), f32),
+        sds((b, r, h), f32),
+        sds((b, r, h * kd), f32),
+        sds((n, h, kd, kd), f32),
+        sds((h,), f32),
+        sds((h * kd,), f32),
+        sds((kd,), f32),
+        sds((b,), jnp.int32),
+    )
+    for bv in (128, 32):
+
+        def fn(*a, bv=bv):
+            blk = RecurrentBlockSizes.with_block_v(kd, bv)
+            kw = dict(scale=kd**-0.5, lower_bound=-5.0, eps=1e-5, snapshots=True)
+            return decode_core(*a[:-1], **kw, slots=a[-1], block_sizes=blk, interpret=False)
+
+        assert "kda_recurrent" in lower_for_h200(fn, *core)
+    conv = (sds((b, r, 12288), jnp.bfloat16), sds((n, 3, 12288), f32), sds((12288, 4), f32))
+    fn = lambda x, s, w, sl: conv_decode(  # noqa: E731
+        x,
+        s,
+        w,
+        qk_channels=8192,
+        head_dim=128,
+        l2_eps=1e-6,
+        splits=(4096,) * 3,
+        snapshots=True,
+        slots=sl,
+        interpret=False,
+    )
+    assert "kda_conv_decode" in lower_for_h200(fn, *conv, sds((b,), jnp.int32))
