@@ -258,9 +258,7 @@ def train(cfg: RecallConfig = RecallConfig(), *, eval_every: int = 50, log=print
         0.0, cfg.lr, min(cfg.warmup, cfg.steps // 2), max(cfg.steps, 2), end_value=0.1 * cfg.lr
     )
     tx = optax.chain(
-        optax.clip_by_global_norm(1.0),
-        # No decay on the blocks' gate (A_log, dt_bias) and norm weights.
-        optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=K.weight_decay_mask),
+        optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=cfg.weight_decay)
     )
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     data_key = jax.random.key(cfg.data_seed)

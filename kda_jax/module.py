@@ -36,10 +36,7 @@ class KimiDeltaAttention(nnx.Module):
       cfg: the block's config (validated here, kept as `.cfg`).
       rngs: random streams for the weight init.
       backend: "xla", "pallas" or None (pallas on a GPU, xla elsewhere).
-      dtype: the compute dtype: the matrices are cast to it for every call and the activations
-        and outputs are in it (bf16 by default; fp32 for exact checks).
-      param_dtype: the matrices' storage dtype (None: `dtype`); e.g. fp32 master weights with
-        bf16 compute for training. The conv, gate and norm parameters are fp32 always.
+      dtype: dtype of the matrices (bf16 by default; fp32 for exact checks).
     """
 
     def __init__(
@@ -49,42 +46,28 @@ class KimiDeltaAttention(nnx.Module):
         rngs: nnx.Rngs,
         backend: str | None = None,
         dtype=jnp.bfloat16,
-        param_dtype=None,
     ):
         self.cfg = cfg.validate()
         self.backend = backends.resolve(backend)
-        self.dtype = jnp.dtype(dtype)
-        p = init_params(cfg, rngs.params(), dtype if param_dtype is None else param_dtype)
+        p = init_params(cfg, rngs.params(), dtype)
         for name in _FIELDS:
             setattr(self, name, _param(name, getattr(p, name)))
 
     @classmethod
     def from_params(
-        cls, cfg: KdaConfig, params: KdaParams, *, backend: str | None = None, dtype=None
+        cls, cfg: KdaConfig, params: KdaParams, *, backend: str | None = None
     ) -> KimiDeltaAttention:
-        """Wraps existing weights (e.g. loaded from a checkpoint) without a random init; they
-        keep their dtype as `param_dtype`, and compute in `dtype` (None: the same)."""
+        """Wraps existing weights (e.g. loaded from a checkpoint) without a random init."""
         params.check(cfg)
         blk = nnx.eval_shape(
-            lambda: cls(
-                cfg,
-                rngs=nnx.Rngs(0),
-                backend=backend,
-                dtype=params.dtype if dtype is None else dtype,
-                param_dtype=params.dtype,
-            )
+            lambda: cls(cfg, rngs=nnx.Rngs(0), backend=backend, dtype=params.dtype)
         )
         for name in _FIELDS:
             setattr(blk, name, _param(name, getattr(params, name)))
         return blk
 
     def params(self) -> KdaParams:
-        """The stored weights (matrices in param_dtype)."""
         return KdaParams(**{name: getattr(self, name)[...] for name in _FIELDS})
-
-    def compute_params(self) -> KdaParams:
-        """The weights every call runs with: the matrices cast to `dtype`."""
-        return self.params().astype(self.dtype)
 
     def init_state(self, batch: int) -> KdaState:
         return KdaState.zeros(self.cfg, batch)
@@ -100,7 +83,7 @@ class KimiDeltaAttention(nnx.Module):
         """x [B, T, D], lengths [B] or None -> (y [B, T, D], new state). With slots [B],
         `state` is a pool and row b works on slot slots[b]. See forward.prefill."""
         return forward.prefill(
-            self.compute_params(), self.cfg, x, state, lengths, slots=slots, backend=self.backend
+            self.params(), self.cfg, x, state, lengths, slots=slots, backend=self.backend
         )
 
     def decode(
@@ -108,9 +91,7 @@ class KimiDeltaAttention(nnx.Module):
     ) -> tuple[jax.Array, KdaState]:
         """x [B, D] -> (y [B, D], new state), optionally from a pool at slots [B]. See
         forward.decode."""
-        return forward.decode(
-            self.compute_params(), self.cfg, x, state, slots=slots, backend=self.backend
-        )
+        return forward.decode(self.params(), self.cfg, x, state, slots=slots, backend=self.backend)
 
     def decode_k(
         self, x: jax.Array, state: KdaState, *, slots: jax.Array | None = None
@@ -118,7 +99,7 @@ class KimiDeltaAttention(nnx.Module):
         """x [B, k, D] -> (y [B, k, D], state after row k-1, per-row snapshots), optionally
         from a pool at slots [B]. See forward.decode_k."""
         return forward.decode_k(
-            self.compute_params(), self.cfg, x, state, slots=slots, backend=self.backend
+            self.params(), self.cfg, x, state, slots=slots, backend=self.backend
         )
 
     def __call__(

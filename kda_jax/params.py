@@ -13,12 +13,7 @@ from flax import struct
 
 from kda_jax.config import KdaConfig
 
-__all__ = ["KdaParams", "NO_WEIGHT_DECAY", "init_params", "in_proj_slices", "weight_decay_mask"]
-
-# The fields that take no weight decay: the gate's A_log and dt_bias (a decay's time scale, not
-# a weight) and the norm weight, as FLA's layer marks them.
-NO_WEIGHT_DECAY = ("a_log", "dt_bias", "o_norm_w")
-_MATRICES = ("w_in", "f_b", "g_b", "o_proj")
+__all__ = ["KdaParams", "init_params", "in_proj_slices"]
 
 
 @struct.dataclass
@@ -47,14 +42,6 @@ class KdaParams:
     @property
     def dtype(self):
         return self.w_in.dtype
-
-    def astype(self, dtype) -> KdaParams:
-        """The same weights with the matrices in `dtype`, the block's compute dtype (the conv,
-        gate and norm parameters stay fp32); a cast gradients flow through, so fp32 master
-        weights computing in bf16 get fp32 gradients."""
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(f"KdaParams.astype: dtype {jnp.dtype(dtype)} is not a float dtype")
-        return self.replace(**{n: getattr(self, n).astype(dtype) for n in _MATRICES})
 
     def shapes(self, cfg: KdaConfig) -> dict[str, tuple[int, ...]]:
         """The shape every field must have for `cfg`."""
@@ -85,18 +72,6 @@ class KdaParams:
                     f"params.{name} is {getattr(self, name).dtype} but w_in is {self.w_in.dtype}: "
                     "all matrices share one dtype"
                 )
-
-
-def weight_decay_mask(tree):
-    """An optax mask for `tree` (a KdaParams, an nnx.State of a model holding blocks, or any
-    pytree): True for every leaf but those under a field named in NO_WEIGHT_DECAY, e.g.
-    `optax.adamw(lr, weight_decay=0.1, mask=K.weight_decay_mask)`."""
-
-    def decays(path, _):
-        names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
-        return not names & set(NO_WEIGHT_DECAY)
-
-    return jax.tree_util.tree_map_with_path(decays, tree)
 
 
 def in_proj_slices(cfg: KdaConfig) -> dict[str, slice]:

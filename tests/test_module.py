@@ -5,9 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from conftest import TOL, assert_close
 from flax import nnx
 
 import kda_jax as K
@@ -71,51 +69,6 @@ def test_nnx_jit_decode_loop_compiles_once():
         s = generate(blk, s, xs)
     assert len(traces) == 1
     assert np.all(np.isfinite(s.recurrent))
-
-
-def test_fp32_params_with_bf16_compute():
-    """param_dtype stores the matrices, dtype computes: fp32 master weights run the block in
-    bf16 within the bf16 bar of the fp32 oracle, and their gradients come back in fp32."""
-    cfg = K.preset("tiny")
-    blk = K.KimiDeltaAttention(
-        cfg, rngs=nnx.Rngs(0), backend="xla", dtype=jnp.bfloat16, param_dtype=jnp.float32
-    )
-    leaves = jax.tree.leaves(nnx.state(blk, nnx.Param))
-    assert all(a.dtype == jnp.float32 for a in leaves)
-    assert blk.compute_params().dtype == jnp.bfloat16 and blk.params().dtype == jnp.float32
-    x = jax.random.normal(jax.random.key(3), (2, 37, cfg.hidden))
-    s0 = blk.init_state(2)
-    y, s = blk(x, s0)
-    assert y.dtype == jnp.bfloat16
-    y_ref, s_ref, _ = K.oracle_forward(blk.params(), cfg, x, s0)
-    assert_close(y, y_ref, TOL["bf16_e2e"], "bf16 compute over fp32 params")
-    assert_close(s.recurrent, s_ref.recurrent, TOL["bf16_e2e"], "state")
-
-    def loss(m):
-        y, _ = m(x, s0)
-        return jnp.mean(y.astype(jnp.float32) ** 2)
-
-    grads = jax.tree.leaves(nnx.state(nnx.grad(loss)(blk), nnx.Param))
-    assert all(g.dtype == jnp.float32 and np.all(np.isfinite(g)) for g in grads)
-    assert all(float(jnp.abs(g).max()) > 0 for g in grads)
-    back = K.KimiDeltaAttention.from_params(cfg, blk.params(), backend="xla", dtype=jnp.bfloat16)
-    np.testing.assert_array_equal(back(x, s0)[0], y)
-
-
-def test_weight_decay_mask_leaves_out_gate_and_norm():
-    cfg = K.preset("tiny")
-    blk = K.KimiDeltaAttention(cfg, rngs=nnx.Rngs(0), backend="xla")
-    want = {n: n not in ("a_log", "dt_bias", "o_norm_w") for n in K.KdaParams.__dataclass_fields__}
-    mask = K.weight_decay_mask(blk.params())
-    assert {n: getattr(mask, n) for n in want} == want
-    state_mask = K.weight_decay_mask(nnx.state(blk, nnx.Param))
-    assert {n: state_mask[n].get_value() for n in want} == want
-    tx = optax.adamw(1e-2, weight_decay=0.5, mask=K.weight_decay_mask)
-    p = blk.params()
-    zero = jax.tree.map(jnp.zeros_like, p)  # zero gradients: only the decay moves a weight
-    upd, _ = tx.update(zero, tx.init(p), p)
-    for n, decays in want.items():
-        assert bool(jnp.any(getattr(upd, n) != 0)) == decays, n
 
 
 def test_module_params_carry_partition_specs():
