@@ -22,7 +22,7 @@ from pallas_kernels.gemv import MAX_TILE_ROWS
 
 __all__ = ["prefill", "decode", "decode_k"]
 
-_STATIC = ("cfg", "backend", "interpret", "return_stages")
+_STATIC = ("cfg", "backend", "interpret", "return_stages", "precision")
 
 
 def _check_cfg(cfg, what: str) -> None:
@@ -92,7 +92,7 @@ def _heads(cfg: KdaConfig, a: jax.Array) -> jax.Array:
     return a.reshape(*a.shape[:-1], cfg.heads, cfg.head_dim)
 
 
-def _rows(params, cfg, x, state, backend, interpret, snapshots, return_stages):
+def _rows(params, cfg, x, state, backend, interpret, snapshots, return_stages, precision=None):
     """R rows per sequence through the decode path; shared by `decode` and `decode_k`."""
     backend = backends.resolve(backend)
     b_, r, d = x.shape
@@ -101,7 +101,7 @@ def _rows(params, cfg, x, state, backend, interpret, snapshots, return_stages):
         return _empty_rows(params, cfg, x, state, snapshots, return_stages)
     if backend == "pallas":
         params, x, state = _refuse_grad((params, x, state))
-    st = backends.stages(backend, interpret=interpret)
+    st = backends.stages(backend, interpret=interpret, precision=precision)
     qkv, f_a, g_a, b = _in_proj(st, params, cfg, x.reshape(b_ * r, d))
     shape = lambda a: a.reshape(b_, r, a.shape[-1])  # noqa: E731
     qkv = shape(qkv)
@@ -112,6 +112,7 @@ def _rows(params, cfg, x, state, backend, interpret, snapshots, return_stages):
         params.conv_w,
         (f_a, g_a),
         (params.f_b, params.g_b),
+        biases=(None, params.g_bias),
         qk_channels=cfg.qk_channels,
         head_dim=cfg.head_dim,
         l2_eps=cfg.l2_eps,
@@ -166,6 +167,7 @@ def decode(
     backend: str | None = None,
     interpret: bool | None = None,
     return_stages: bool = False,
+    precision=None,
 ):
     """One token per sequence.
 
@@ -178,20 +180,30 @@ def decode(
         interpret mode elsewhere; False forces compiled kernels (e.g. cross-lowering for a
         GPU from a CPU). The xla backend takes None only.
       return_stages: also return a dict of intermediates named as the oracle's stages.
+      precision: of the xla backend's projections (static; "highest" or None: IEEE fp32 for
+        fp32 weights; "default": the device's fastest, TF32 on a GPU). The compute dtype is the
+        matrices' dtype: cast them with `params.astype(dtype)` for mixed precision.
     Returns:
       (y [B, D] in the weights' dtype, new state) and the stage dict when asked.
     """
     _check_cfg(cfg, "decode")
     return _decode(
-        params, cfg, x, state, backend=backend, interpret=interpret, return_stages=return_stages
+        params,
+        cfg,
+        x,
+        state,
+        backend=backend,
+        interpret=interpret,
+        return_stages=return_stages,
+        precision=precision,
     )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _decode(params, cfg, x, state, *, backend, interpret, return_stages):
+def _decode(params, cfg, x, state, *, backend, interpret, return_stages, precision):
     _check_inputs(params, cfg, x, state, 2, "decode")
     y, new_state, _, stages = _rows(
-        params, cfg, x[:, None], state, backend, interpret, False, return_stages
+        params, cfg, x[:, None], state, backend, interpret, False, return_stages, precision
     )
     y = y[:, 0]
     if return_stages:
@@ -208,6 +220,7 @@ def decode_k(
     backend: str | None = None,
     interpret: bool | None = None,
     return_stages: bool = False,
+    precision=None,
 ):
     """Speculative verify: k tokens per sequence, projections in one weight sweep.
 
@@ -224,18 +237,25 @@ def decode_k(
     """
     _check_cfg(cfg, "decode_k")
     return _decode_k(
-        params, cfg, x, state, backend=backend, interpret=interpret, return_stages=return_stages
+        params,
+        cfg,
+        x,
+        state,
+        backend=backend,
+        interpret=interpret,
+        return_stages=return_stages,
+        precision=precision,
     )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _decode_k(params, cfg, x, state, *, backend, interpret, return_stages):
+def _decode_k(params, cfg, x, state, *, backend, interpret, return_stages, precision):
     _check_inputs(params, cfg, x, state, 3, "decode_k")
     k = x.shape[1]
     if not 1 <= k <= cfg.max_verify:
         raise ValueError(f"decode_k: k={k} rows, expected 1 <= k <= max_verify={cfg.max_verify}")
     y, new_state, snaps, stages = _rows(
-        params, cfg, x, state, backend, interpret, True, return_stages
+        params, cfg, x, state, backend, interpret, True, return_stages, precision
     )
     if return_stages:
         return y, new_state, snaps, stages
@@ -252,6 +272,7 @@ def prefill(
     backend: str | None = None,
     interpret: bool | None = None,
     return_stages: bool = False,
+    precision=None,
 ):
     """Chunked prefill of T padded tokens per sequence from the carried state.
 
@@ -282,11 +303,12 @@ def prefill(
         backend=backend,
         interpret=interpret,
         return_stages=return_stages,
+        precision=precision,
     )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _prefill(params, cfg, x, state, lengths, *, backend, interpret, return_stages):
+def _prefill(params, cfg, x, state, lengths, *, backend, interpret, return_stages, precision):
     _check_inputs(params, cfg, x, state, 3, "prefill")
     backend = backends.resolve(backend)
     _check_backend(backend, "prefill")
@@ -309,7 +331,7 @@ def _prefill(params, cfg, x, state, lengths, *, backend, interpret, return_stage
         # projections' backward would multiply their zero cotangents by NaN (dW = x^T dy).
         x = jnp.where((pos < ok[:, None])[..., None], x, 0)
     out, new_state, stages = _prefill_rows(
-        params, cfg, x, state, ok, backend, interpret, return_stages
+        params, cfg, x, state, ok, backend, interpret, return_stages, precision
     )
     # After o_proj, not before: its backward multiplies its input by the (zero) cotangents.
     out = jnp.where((real & (pos >= ok[:, None]))[..., None], jnp.nan, out)
@@ -339,13 +361,13 @@ def _check_lengths(lengths, b_: int, t: int) -> jax.Array:
     return jnp.clip(lengths.astype(jnp.int32), 0, t)
 
 
-def _prefill_rows(params, cfg, x, state, ok, backend, interpret, return_stages):
+def _prefill_rows(params, cfg, x, state, ok, backend, interpret, return_stages, precision=None):
     """The block over x [B, T, D] whose tokens below `ok` are real (and finite); the others
     touch nothing and output 0."""
     b_, t, _ = x.shape
-    st = backends.stages(backend, interpret=interpret)
+    st = backends.stages(backend, interpret=interpret, precision=precision)
     qkv, f_a, g_a, b = _in_proj(st, params, cfg, x.reshape(b_ * t, -1))
-    f, z = st.proj_many((f_a, g_a), (params.f_b, params.g_b))
+    f, z = st.proj_many((f_a, g_a), (params.f_b, params.g_b), biases=(None, params.g_bias))
     shape = lambda a: a.reshape(b_, t, a.shape[-1])  # noqa: E731
     qkv, f, b, z = shape(qkv), shape(f), shape(b), shape(z)
     conv_out, conv_state = st.conv_prefill(

@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import conv, gemv
+from pallas_kernels import reference as ref
 
 __all__ = ["decode_front"]
 
@@ -35,6 +36,7 @@ def decode_front(
     splits: tuple[int, ...] | None = None,
     snapshots: bool = False,
     out_dtype=None,
+    biases=None,
     interpret: bool | None = None,
 ):
     """conv_decode(x, conv_state, w, ...) and proj_many(xs, ws) in one launch; the kernel of
@@ -47,6 +49,7 @@ def decode_front(
       xs, ws: as `gemv.proj_many`: activations [M, D] (1 <= M <= 64) and weights [N, D] of one
         shape each (the block's f_a, g_a and f_b, g_b).
       out_dtype: dtype of the projections (default: the weights').
+      biases: as `gemv.proj_many`: None or one entry (None or [N]) per weight, added in fp32.
       interpret: run in Pallas interpret mode (None: when there is no GPU).
     Both parts take their own launches' default tilings (what keeps their bits).
     Returns:
@@ -65,7 +68,10 @@ def decode_front(
         flat=True,
         interpret=interpret,
     )
-    sp = gemv.plan(xs, ws, out_dtype=out_dtype, what="decode_front")
+    biases = ref.proj_many_biases(biases, tuple(ws))
+    out_dtype = jnp.dtype(out_dtype or ws[0].dtype)
+    acc = out_dtype if all(b is None for b in biases) else jnp.float32
+    sp = gemv.plan(xs, ws, out_dtype=acc, what="decode_front")
     warps = sp.block_sizes.num_warps
     if cp.num_warps != warps:
         raise ValueError(
@@ -100,4 +106,6 @@ def decode_front(
         interpret=cp.interpret,
     )(*cp.inputs, *sp.inputs)
     out, new_state, states = cp.finish(res[:n_out])
-    return out, new_state, states, tuple(sp.finish(res[n_out:]))
+    ys = sp.finish(res[n_out:])
+    ys = tuple(ref.add_bias(y, b, out_dtype) for y, b in zip(ys, biases, strict=True))
+    return out, new_state, states, ys
