@@ -87,6 +87,7 @@ class KimiDeltaAttention(nnx.Module):
                 dtype=dtype,
                 param_dtype=params.dtype,
                 precision=precision,
+                gate_bias=params.g_bias is not None,
             )
         )
         blk._set(params)
