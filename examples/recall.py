@@ -18,7 +18,8 @@ Pieces (all importable; `notebooks/04_associative_recall.ipynb` uses them):
   make_batch              one batch of MQAR sequences with the answer mask.
   RecallLM                embedding -> 2 x [RMSNorm, KDA, residual, RMSNorm, MLP, residual] ->
                           RMSNorm -> head; `__call__` prefills, `decode` takes one token.
-  train                   optax AdamW training loop; returns the model and an accuracy curve.
+  train                   optax AdamW training loop (no decay on KDA's gate, norm and bias:
+                          `K.weight_decay_mask`); returns the model and an accuracy curve.
   decode_logits           runs tokens one by one through a jitted `lax.scan` of `decode` steps,
                           carrying one KdaState per layer (must equal the prefill logits).
   answer_by_decoding      prefills the key-value context, then answers every query in a jitted
@@ -257,9 +258,9 @@ def train(cfg: RecallConfig = RecallConfig(), *, eval_every: int = 50, log=print
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, min(cfg.warmup, cfg.steps // 2), max(cfg.steps, 2), end_value=0.1 * cfg.lr
     )
-    tx = optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=cfg.weight_decay)
-    )
+    # Weight decay on the matrices, not on KDA's gate parameters, norm weight or gate bias.
+    adamw = optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=K.weight_decay_mask)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), adamw)
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     data_key = jax.random.key(cfg.data_seed)
     eval_key = jax.random.key(cfg.data_seed + 10_000)

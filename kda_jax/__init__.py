@@ -10,10 +10,17 @@ __version__ = "0.1.0"  # as pyproject.toml's [project] version
 from kda_jax import sharding
 from kda_jax.config import PRESETS, KdaConfig, preset
 from kda_jax.forward import decode, decode_k, prefill
-from kda_jax.hf import CheckpointError, load_hf_layer, load_hf_params, save_hf_checkpoint
+from kda_jax.hf import (
+    CheckpointError,
+    load_fla_layer,
+    load_fla_params,
+    load_hf_layer,
+    load_hf_params,
+    save_hf_checkpoint,
+)
 from kda_jax.module import KimiDeltaAttention
 from kda_jax.oracle import STAGES, oracle_forward
-from kda_jax.params import KdaParams, init_params
+from kda_jax.params import NO_WEIGHT_DECAY, KdaParams, init_params, weight_decay_mask
 from kda_jax.state import KdaState, select_snapshot
 
 __all__ = [
@@ -23,6 +30,8 @@ __all__ = [
     "preset",
     "KdaParams",
     "init_params",
+    "weight_decay_mask",
+    "NO_WEIGHT_DECAY",
     "KdaState",
     "select_snapshot",
     "prefill",
@@ -31,6 +40,8 @@ __all__ = [
     "KimiDeltaAttention",
     "CheckpointError",
     "load_hf_layer",
+    "load_fla_params",
+    "load_fla_layer",
     "load_hf_params",
     "save_hf_checkpoint",
     "oracle_forward",

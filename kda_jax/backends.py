@@ -17,6 +17,7 @@ import functools
 from collections.abc import Callable
 
 import jax
+from jax import lax
 
 from pallas_kernels import reference as ref
 
@@ -49,19 +50,37 @@ def resolve(backend: str | None) -> str:
     return backend
 
 
-def stages(backend: str, *, interpret: bool | None = None) -> Stages:
+def to_precision(value) -> lax.Precision | None:
+    """A dot precision by name ("highest", "default", ...) or `lax.Precision`; None stays None
+    (the references' HIGHEST)."""
+    if value is None or isinstance(value, lax.Precision):
+        return value
+    try:
+        return lax.Precision(value)
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"precision={value!r}: expected None, a jax.lax.Precision or one of "
+            "'highest', 'high', 'default'"
+        ) from None
+
+
+def stages(backend: str, *, interpret: bool | None = None, precision=None) -> Stages:
     """The stage functions of a (resolved) backend.
 
     interpret: the pallas kernels' mode, passed to every stage (None: interpret mode when there
     is no GPU); the xla backend has no kernels and takes None only.
+    precision: the xla backend's projection dots (None: HIGHEST); the pallas kernels fix their
+    own (IEEE fp32 for fp32 weights, fp32 accumulation for bf16) and ignore it.
     """
+    prec = to_precision(precision)
     if backend == "xla":
         if interpret is not None:
             raise ValueError(f"interpret={interpret} applies to the pallas backend, not xla")
+        bind = functools.partial(functools.partial, precision=prec)
         return Stages(
-            proj=ref.gemv_reference,
-            proj_many=ref.proj_many_reference,
-            decode_front=ref.decode_front_reference,
+            proj=bind(ref.gemv_reference),
+            proj_many=bind(ref.proj_many_reference),
+            decode_front=bind(ref.decode_front_reference),
             conv_prefill=ref.conv_prefill_reference,
             decode_core=ref.decode_core_reference,
             prefill_core=ref.prefill_core_reference,

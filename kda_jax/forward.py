@@ -26,7 +26,7 @@ from pallas_kernels import reference as ref
 
 __all__ = ["prefill", "decode", "decode_k"]
 
-_STATIC = ("cfg", "backend", "interpret", "return_stages")
+_STATIC = ("cfg", "backend", "interpret", "return_stages", "precision")
 # Batches up to this many rows find repeated slots by comparing every pair (one fusion); larger
 # ones by a sort.
 _PAIRWISE_ROWS = 1024
@@ -154,7 +154,9 @@ def _heads(cfg: KdaConfig, a: jax.Array) -> jax.Array:
     return a.reshape(*a.shape[:-1], cfg.heads, cfg.head_dim)
 
 
-def _rows(params, cfg, x, state, slots, backend, interpret, snapshots, return_stages):
+def _rows(
+    params, cfg, x, state, slots, backend, interpret, snapshots, return_stages, precision=None
+):
     """R rows per sequence through the decode path; shared by `decode` and `decode_k`. Any
     B * R: past the decode kernels' largest row tile the projections are XLA's GEMMs."""
     backend = backends.resolve(backend)
@@ -165,7 +167,7 @@ def _rows(params, cfg, x, state, slots, backend, interpret, snapshots, return_st
     if backend == "pallas":
         params, x, state = _refuse_grad((params, x, state))
     codes = None if slots is None else _slot_codes(slots, state.recurrent.shape[0])
-    st = backends.stages(backend, interpret=interpret)
+    st = backends.stages(backend, interpret=interpret, precision=precision)
     qkv, f_a, g_a, b = _in_proj(st, params, cfg, x.reshape(b_ * r, d))
     shape = lambda a: a.reshape(b_, r, a.shape[-1])  # noqa: E731
     qkv = shape(qkv)
@@ -182,6 +184,7 @@ def _rows(params, cfg, x, state, slots, backend, interpret, snapshots, return_st
         splits=(cfg.qkv_dim,) * 3,  # q, k, v written apart by the kernel: no slice copies
         snapshots=snapshots,
         slots=codes,
+        biases=(None, params.g_bias),
     )
     q, k, v = (_heads(cfg, a) for a in qkv_out)
     f, b, z = shape(f), shape(b), shape(z)
@@ -235,6 +238,7 @@ def decode(
     backend: str | None = None,
     interpret: bool | None = None,
     return_stages: bool = False,
+    precision=None,
 ):
     """One token per sequence, at any batch size B.
 
@@ -253,6 +257,9 @@ def decode(
         interpret mode elsewhere; False forces compiled kernels (e.g. cross-lowering for a
         GPU from a CPU). The xla backend takes None only.
       return_stages: also return a dict of intermediates named as the oracle's stages.
+      precision: of the xla backend's projections (static; "highest" or None: IEEE fp32 for
+        fp32 weights; "default": the device's fastest, TF32 on a GPU). The compute dtype is the
+        matrices' dtype: cast them with `params.astype(dtype)` for mixed precision.
     Returns:
       (y [B, D] in the weights' dtype, new state) and the stage dict when asked.
     """
@@ -267,14 +274,15 @@ def decode(
         backend=backend,
         interpret=interpret,
         return_stages=return_stages,
+        precision=precision,
     )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _decode(params, cfg, x, state, slots, *, backend, interpret, return_stages):
+def _decode(params, cfg, x, state, slots, *, backend, interpret, return_stages, precision):
     _check_inputs(params, cfg, x, state, 2, "decode", slots is not None)
     y, new_state, _, stages = _rows(
-        params, cfg, x[:, None], state, slots, backend, interpret, False, return_stages
+        params, cfg, x[:, None], state, slots, backend, interpret, False, return_stages, precision
     )
     y = y[:, 0]
     if return_stages:
@@ -292,6 +300,7 @@ def decode_k(
     backend: str | None = None,
     interpret: bool | None = None,
     return_stages: bool = False,
+    precision=None,
 ):
     """Speculative verify: k tokens per sequence, projections in one weight sweep (any B * k;
     above 64 rows the projections are XLA's GEMMs).
@@ -320,17 +329,18 @@ def decode_k(
         backend=backend,
         interpret=interpret,
         return_stages=return_stages,
+        precision=precision,
     )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _decode_k(params, cfg, x, state, slots, *, backend, interpret, return_stages):
+def _decode_k(params, cfg, x, state, slots, *, backend, interpret, return_stages, precision):
     _check_inputs(params, cfg, x, state, 3, "decode_k", slots is not None)
     k = x.shape[1]
     if not 1 <= k <= cfg.max_verify:
         raise ValueError(f"decode_k: k={k} rows, expected 1 <= k <= max_verify={cfg.max_verify}")
     y, new_state, snaps, stages = _rows(
-        params, cfg, x, state, slots, backend, interpret, True, return_stages
+        params, cfg, x, state, slots, backend, interpret, True, return_stages, precision
     )
     if return_stages:
         return y, new_state, snaps, stages
@@ -348,6 +358,7 @@ def prefill(
     backend: str | None = None,
     interpret: bool | None = None,
     return_stages: bool = False,
+    precision=None,
 ):
     """Chunked prefill of T padded tokens per sequence from the carried state.
 
@@ -384,11 +395,14 @@ def prefill(
         backend=backend,
         interpret=interpret,
         return_stages=return_stages,
+        precision=precision,
     )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _prefill(params, cfg, x, state, lengths, slots, *, backend, interpret, return_stages):
+def _prefill(
+    params, cfg, x, state, lengths, slots, *, backend, interpret, return_stages, precision
+):
     _check_inputs(params, cfg, x, state, 3, "prefill", slots is not None)
     backend = backends.resolve(backend)
     _check_backend(backend, "prefill")
@@ -423,7 +437,7 @@ def _prefill(params, cfg, x, state, lengths, slots, *, backend, interpret, retur
     # backward multiplies its input by the (zero) cotangents.
     poison = lengths if backend == "pallas" else None
     out, rec, conv, stages = _prefill_rows(
-        params, cfg, x, state, ok, poison, codes, backend, interpret, return_stages
+        params, cfg, x, state, ok, poison, codes, backend, interpret, return_stages, precision
     )
     if backend == "xla":
         out = jnp.where((real & (pos >= ok[:, None]))[..., None], jnp.nan, out)
@@ -460,14 +474,16 @@ def _check_lengths(lengths, b_: int, t: int) -> jax.Array:
     return jnp.clip(lengths.astype(jnp.int32), 0, t)
 
 
-def _prefill_rows(params, cfg, x, state, ok, poison, codes, backend, interpret, return_stages):
+def _prefill_rows(
+    params, cfg, x, state, ok, poison, codes, backend, interpret, return_stages, precision=None
+):
     """The block over x [B, T, D] whose tokens below `ok` are real (and finite); the others
     touch nothing and output 0, or NaN below `poison` (None: nowhere). Returns (out, recurrent
     state, conv state of the B rows, stages); with slot codes the recurrent state is the pool."""
     b_, t, _ = x.shape
-    st = backends.stages(backend, interpret=interpret)
+    st = backends.stages(backend, interpret=interpret, precision=precision)
     qkv, f_a, g_a, b = _in_proj(st, params, cfg, x.reshape(b_ * t, -1))
-    f, z = st.proj_many((f_a, g_a), (params.f_b, params.g_b))
+    f, z = st.proj_many((f_a, g_a), (params.f_b, params.g_b), biases=(None, params.g_bias))
     shape = lambda a: a.reshape(b_, t, a.shape[-1])  # noqa: E731
     qkv, f, b, z = shape(qkv), shape(f), shape(b), shape(z)
     conv_out, conv_state = st.conv_prefill(

@@ -26,6 +26,9 @@ from kda_jax.params import KdaParams
 __all__ = [
     "CheckpointError",
     "PREFIX",
+    "FLA_NAMES",
+    "load_fla_layer",
+    "load_fla_params",
     "load_hf_layer",
     "load_hf_params",
     "read_hf_config",
@@ -64,13 +67,16 @@ class _Checkpoint:
         self.path = path
         self._headers: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
         index = os.path.join(path, INDEX)
-        self.index = index if os.path.isfile(index) else None
+        self.index = index if os.path.isdir(path) and os.path.isfile(index) else None
         if self.index:
             self.files = {
                 name: os.path.join(path, fn) for name, fn in _read_index(self.index).items()
             }
             return
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if os.path.isfile(path):  # one safetensors file
+            files = [path]
+        else:
+            files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files (and no {INDEX}) in {path!r}")
         self.files = {}
@@ -287,20 +293,7 @@ def checked_layer(path: str | os.PathLike, layer_idx: int, cfg: KdaConfig | None
             f"layer {layer_idx}: tensor(s) {[prefix + n for n in missing]} missing from {where}"
             + hint
         )
-    for short, shapes in spec.items():
-        name = prefix + short
-        fn, dt, shape = ckpt.meta(name)
-        if dt not in _FLOAT_DTYPES:
-            raise CheckpointError(
-                f"{fn!r}: tensor {name!r} has dtype {dt}, expected a floating dtype "
-                f"({', '.join(_FLOAT_DTYPES)})"
-            )
-        if shape not in shapes:
-            raise CheckpointError(
-                f"{fn!r}: tensor {name!r} has shape {shape}, expected {_shapes_text(shapes)} "
-                f"(hidden={cfg.hidden}, heads={cfg.heads}, head_dim={cfg.head_dim}, "
-                f"conv_kernel={cfg.conv_kernel})"
-            )
+    _check_headers(ckpt, prefix, spec, cfg)
     return cfg, ckpt, prefix, fused[:1] or split
 
 
@@ -329,25 +322,148 @@ def load_hf_params(
     """
     cfg, ckpt, prefix, conv_names = checked_layer(path, layer_idx, cfg)
     t = {short: ckpt.read(prefix + short) for short in _layer_spec(cfg, conv_names)}
+    names = dict(q="q_proj", k="k_proj", v="v_proj", f_a="f_a_proj", g_a="g_a_proj", b="b_proj")
+    names.update(f_b="f_b_proj", g_b="g_b_proj")
+    t = {k: t[f"{v}.weight"] for k, v in names.items()} | {
+        "conv": [t[n] for n in conv_names],
+        **{k: t[k] for k in ("A_log", "dt_bias", "o_norm.weight", "o_proj.weight")},
+    }
+    return cfg, _assemble(cfg, t, dtype)
+
+
+def _check_headers(ckpt: _Checkpoint, prefix: str, spec: dict, cfg: KdaConfig) -> None:
+    """Checks the dtype and shape of every tensor of `spec` (short name -> allowed shapes) from
+    the headers."""
+    for short, shapes in spec.items():
+        name = prefix + short
+        fn, dt, shape = ckpt.meta(name)
+        if dt not in _FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{fn!r}: tensor {name!r} has dtype {dt}, expected a floating dtype "
+                f"({', '.join(_FLOAT_DTYPES)})"
+            )
+        if shape not in shapes:
+            raise CheckpointError(
+                f"{fn!r}: tensor {name!r} has shape {shape}, expected {_shapes_text(shapes)} "
+                f"(hidden={cfg.hidden}, heads={cfg.heads}, head_dim={cfg.head_dim}, "
+                f"conv_kernel={cfg.conv_kernel})"
+            )
+
+
+def _read_checked(ckpt: _Checkpoint, prefix: str, spec: dict, cfg: KdaConfig) -> dict:
+    """`_check_headers`, then every tensor of `spec` read: short name -> numpy array."""
+    _check_headers(ckpt, prefix, spec, cfg)
+    return {short: ckpt.read(prefix + short) for short in spec}
+
+
+def _assemble(cfg: KdaConfig, t: dict, dtype, g_bias=None) -> KdaParams:
+    """KdaParams from checked tensors: the w_in parts q, k, v, f_a, g_a, b, then f_b, g_b,
+    "conv" (a list of conv weights, q|k|v order), A_log, dt_bias, o_norm.weight, o_proj.weight."""
     h, p, w = cfg.heads, cfg.qkv_dim, cfg.conv_kernel
-    conv_w = np.concatenate([t[n].reshape(-1, w).astype(np.float32) for n in conv_names])
-    w_in = np.concatenate(
-        [t[f"{n}_proj.weight"] for n in ("q", "k", "v", "f_a", "g_a", "b")], dtype=np.float32
-    )
+    conv_w = np.concatenate([a.reshape(-1, w).astype(np.float32) for a in t["conv"]])
+    w_in = np.concatenate([t[n] for n in ("q", "k", "v", "f_a", "g_a", "b")], dtype=np.float32)
     mat = lambda a: jnp.asarray(np.asarray(a, np.float32)).astype(dtype)  # noqa: E731
     f32 = lambda a: jnp.asarray(np.asarray(a, np.float32))  # noqa: E731
     params = KdaParams(
         w_in=mat(w_in),
-        f_b=mat(t["f_b_proj.weight"]),
-        g_b=mat(t["g_b_proj.weight"]),
+        f_b=mat(t["f_b"]),
+        g_b=mat(t["g_b"]),
         conv_w=f32(conv_w),
         a_log=f32(t["A_log"].reshape(h)),
         dt_bias=f32(t["dt_bias"].reshape(p)),
         o_norm_w=f32(t["o_norm.weight"]),
         o_proj=mat(t["o_proj.weight"]),
+        g_bias=None if g_bias is None else f32(g_bias),
     )
     params.check(cfg)
-    return cfg, params
+    return params
+
+
+# FLA's `fla.layers.kda.KimiDeltaAttention` state_dict (use_short_conv=True, conv_bias=False):
+# FLA name -> the part of the block it holds (the same as the Hugging Face loader's names).
+FLA_NAMES = {
+    "q_proj.weight": "q",
+    "k_proj.weight": "k",
+    "v_proj.weight": "v",
+    "f_proj.0.weight": "f_a",
+    "f_proj.1.weight": "f_b",
+    "g_proj.0.weight": "g_a",
+    "g_proj.1.weight": "g_b",
+    "b_proj.weight": "b",
+    "A_log": "A_log",
+    "dt_bias": "dt_bias",
+    "o_norm.weight": "o_norm.weight",
+    "o_proj.weight": "o_proj.weight",
+}
+FLA_GATE_BIAS = "g_proj.1.bias"
+
+
+def load_fla_params(
+    path: str | os.PathLike, cfg: KdaConfig, *, prefix: str = "", dtype=jnp.bfloat16
+) -> KdaParams:
+    """Reads one `fla.layers.kda.KimiDeltaAttention` layer's weights (FLA's names) from
+    safetensors: a file, or a directory of them (an index included).
+
+    Args:
+      path: a `.safetensors` file or a directory.
+      cfg: the block's config (FLA's layer keeps none beside its weights: its hidden_size,
+        num_heads, head_dim, conv_size, norm_eps, and lower_bound for the bounded gate).
+      prefix: what precedes the layer's names, e.g. "model.layers.3.attn." in an FLA model.
+      dtype: dtype of the matrices; conv, A_log, dt_bias, o_norm and the gate bias are fp32.
+    The output gate's bias `g_proj.1.bias` is loaded when present (`KdaParams.g_bias`), else
+    None. Any other tensor under `prefix` (a conv bias, a v expansion's extra weights) is an
+    error: the block has no place for it, and ignoring it would compute another layer.
+    Raises:
+      FileNotFoundError: no such file or directory, or no safetensors file in it.
+      CheckpointError: naming the file and tensor, the value found and the one expected.
+    """
+    cfg.validate()
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no FLA checkpoint at {path!r}")
+    ckpt = _Checkpoint(path)
+    p, kd, d, h, w = cfg.qkv_dim, cfg.head_dim, cfg.hidden, cfg.heads, cfg.conv_kernel
+    part = dict(q=(p, d), k=(p, d), v=(p, d), f_a=(kd, d), g_a=(kd, d), b=(h, d))
+    part.update(f_b=(p, kd), g_b=(p, kd))
+    part.update({"A_log": (h,), "dt_bias": (p,), "o_norm.weight": (kd,), "o_proj.weight": (d, p)})
+    spec = {name: (part[role],) for name, role in FLA_NAMES.items()}
+    spec.update({f"{n}_conv1d.weight": ((p, 1, w), (p, w)) for n in "qkv"})
+    have = set(ckpt.names(prefix))
+    if FLA_GATE_BIAS in have:
+        spec[FLA_GATE_BIAS] = ((p,),)
+    where = f"{path!r}" + (f" under prefix {prefix!r}" if prefix else "")
+    missing = [prefix + n for n in spec if n not in have]
+    if missing:
+        raise CheckpointError(
+            f"tensor(s) {missing} missing from the FLA checkpoint at {where} (expected the "
+            f"names of fla.layers.kda.KimiDeltaAttention; tensors found: {sorted(have)[:8]})"
+        )
+    extra = sorted(have - set(spec))
+    if extra:
+        raise CheckpointError(
+            f"unexpected tensor(s) {[prefix + n for n in extra]} in the FLA checkpoint at "
+            f"{where}: the block holds {sorted(spec)} only (no conv bias, no value expansion); "
+            "for a layer inside a model, pass its prefix"
+        )
+    t = _read_checked(ckpt, prefix, spec, cfg)
+    parts = {role: t[name] for name, role in FLA_NAMES.items()}
+    parts["conv"] = [t[f"{n}_conv1d.weight"] for n in "qkv"]
+    return _assemble(cfg, parts, dtype, t.get(FLA_GATE_BIAS))
+
+
+def load_fla_layer(
+    path: str | os.PathLike,
+    cfg: KdaConfig,
+    *,
+    prefix: str = "",
+    backend: str | None = None,
+    dtype=jnp.bfloat16,
+):
+    """A ready `KimiDeltaAttention` holding an FLA layer's weights (see `load_fla_params`)."""
+    from kda_jax.module import KimiDeltaAttention
+
+    params = load_fla_params(path, cfg, prefix=prefix, dtype=dtype)
+    return KimiDeltaAttention.from_params(cfg, params, backend=backend)
 
 
 def load_hf_layer(

@@ -74,6 +74,8 @@ def _token(p: KdaParams, cfg: KdaConfig, carry, x):
     s = s + jnp.einsum("bhk,bhv->bhkv", k, beta[..., None] * err, precision=_HI)
     core = jnp.einsum("bhkv,bhk->bhv", s, cfg.scale * q, precision=_HI)
     out_gate = _mv(p.g_b, _mv(w_in[sl["g_a"]], x))
+    if p.g_bias is not None:
+        out_gate = out_gate + p.g_bias
     rms = jnp.sqrt(jnp.mean(core * core, axis=-1, keepdims=True) + cfg.rms_norm_eps)
     o_norm_out = (core / rms * p.o_norm_w * jax.nn.sigmoid(heads(out_gate))).reshape(-1, pdim)
     final_out = _mv(p.o_proj, o_norm_out)

@@ -13,7 +13,7 @@ from flax import struct
 
 from kda_jax.config import KdaConfig
 
-__all__ = ["KdaParams", "init_params", "in_proj_slices"]
+__all__ = ["KdaParams", "NO_WEIGHT_DECAY", "init_params", "in_proj_slices", "weight_decay_mask"]
 
 
 @struct.dataclass
@@ -28,6 +28,8 @@ class KdaParams:
       a_log: [H] fp32; dt_bias: [P] fp32.
       o_norm_w: [K] fp32 weight of the gated RMSNorm.
       o_proj: [D, P] output projection.
+      g_bias: [P] fp32 bias of the output gate (z = g_b g_a x + g_bias, as FLA's layer has), or
+        None (Kimi-Linear checkpoints have none).
     """
 
     w_in: jax.Array
@@ -38,6 +40,7 @@ class KdaParams:
     dt_bias: jax.Array
     o_norm_w: jax.Array
     o_proj: jax.Array
+    g_bias: jax.Array | None = None
 
     @property
     def dtype(self):
@@ -55,6 +58,7 @@ class KdaParams:
             dt_bias=(p,),
             o_norm_w=(k,),
             o_proj=(d, p),
+            **({} if self.g_bias is None else dict(g_bias=(p,))),
         )
 
     def check(self, cfg: KdaConfig) -> None:
@@ -63,8 +67,8 @@ class KdaParams:
             arr = getattr(self, name)
             if tuple(arr.shape) != shape:
                 raise ValueError(f"params.{name} has shape {tuple(arr.shape)}, expected {shape}")
-        for name in ("conv_w", "a_log", "dt_bias", "o_norm_w"):
-            if getattr(self, name).dtype != jnp.float32:
+        for name in ("conv_w", "a_log", "dt_bias", "o_norm_w", "g_bias"):
+            if getattr(self, name) is not None and getattr(self, name).dtype != jnp.float32:
                 raise ValueError(f"params.{name} must be float32, got {getattr(self, name).dtype}")
         for name in ("f_b", "g_b", "o_proj"):
             if getattr(self, name).dtype != self.w_in.dtype:
@@ -72,6 +76,34 @@ class KdaParams:
                     f"params.{name} is {getattr(self, name).dtype} but w_in is {self.w_in.dtype}: "
                     "all matrices share one dtype"
                 )
+
+    def astype(self, dtype) -> KdaParams:
+        """The matrices cast to `dtype` (the compute dtype of the forward), the fp32 vectors as
+        they are. Differentiable: gradients come back in each field's own dtype."""
+        cast = lambda a: a.astype(dtype)  # noqa: E731
+        return self.replace(
+            w_in=cast(self.w_in), f_b=cast(self.f_b), g_b=cast(self.g_b), o_proj=cast(self.o_proj)
+        )
+
+
+# Parameters kept out of weight decay (FLA marks A_log and dt_bias `_no_weight_decay`): the gate's
+# log-rates and offsets, the output norm's weight and the output gate's bias.
+NO_WEIGHT_DECAY = ("a_log", "dt_bias", "o_norm_w", "g_bias")
+
+
+def weight_decay_mask(params):
+    """The optax mask of which leaves take weight decay: False for every leaf whose path names
+    one of `NO_WEIGHT_DECAY`, True elsewhere (e.g. `optax.adamw(..., mask=weight_decay_mask)`).
+
+    Takes any pytree of parameters: a `KdaParams`, or a whole model's `nnx.state(model,
+    nnx.Param)`, where the names are the `KimiDeltaAttention` attributes.
+    """
+
+    def decays(path, _):
+        names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
+        return not names & set(NO_WEIGHT_DECAY)
+
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def in_proj_slices(cfg: KdaConfig) -> dict[str, slice]:
@@ -85,8 +117,11 @@ def in_proj_slices(cfg: KdaConfig) -> dict[str, slice]:
     return out
 
 
-def init_params(cfg: KdaConfig, key: jax.Array, dtype=jnp.bfloat16) -> KdaParams:
-    """Random weights at realistic scales.
+def init_params(
+    cfg: KdaConfig, key: jax.Array, dtype=jnp.bfloat16, *, gate_bias: bool = False
+) -> KdaParams:
+    """Random weights at realistic scales (matrices in `dtype`); `gate_bias` adds a small random
+    output-gate bias.
 
     Linear weights are N(0, 1/fan_in), so unit-scale inputs give unit-scale projections; the gate
     parameters spread the per-token decay exp(g) of each channel roughly over [0.5, 0.999] for
@@ -120,6 +155,9 @@ def init_params(cfg: KdaConfig, key: jax.Array, dtype=jnp.bfloat16) -> KdaParams
         dt_bias = jnp.log(frac / (1.0 - frac)) / a
     o_norm_w = 1.0 + 0.1 * jax.random.normal(next(keys), (kd,), jnp.float32)
     o_proj = linear(d, p)
+    g_bias = None
+    if gate_bias:  # its own key: the other draws stay those of a block without one
+        g_bias = 0.5 * jax.random.normal(jax.random.fold_in(key, 10), (p,), jnp.float32)
     return KdaParams(
         w_in=w_in,
         f_b=f_b,
@@ -129,4 +167,5 @@ def init_params(cfg: KdaConfig, key: jax.Array, dtype=jnp.bfloat16) -> KdaParams
         dt_bias=dt_bias,
         o_norm_w=o_norm_w,
         o_proj=o_proj,
+        g_bias=g_bias,
     )

@@ -66,6 +66,7 @@ PARAM_AXES = dict(
     dt_bias=(MODEL,),
     o_norm_w=(None,),
     o_proj=(None, MODEL),
+    g_bias=(MODEL,),
 )
 
 # The sharded layout's specs, field by field (see the module docstring).
@@ -99,6 +100,7 @@ class ShardedParams:
     o_norm_w: jax.Array
     o_proj: jax.Array
     mesh: Mesh = struct.field(pytree_node=False)
+    g_bias: jax.Array | None = None  # the output gate's optional bias [P], split by head
 
     @property
     def dtype(self):
@@ -106,7 +108,8 @@ class ShardedParams:
 
     def specs(self) -> ShardedParams:
         """The PartitionSpec of every field, as a ShardedParams on the same mesh."""
-        return ShardedParams(**_SHARDED_SPECS, mesh=self.mesh)
+        bias = None if self.g_bias is None else P(MODEL)
+        return ShardedParams(**_SHARDED_SPECS, mesh=self.mesh, g_bias=bias)
 
     def local(self) -> KdaParams:
         """Inside `shard_map`: this shard's blocks as the KdaParams of `local_config`."""
@@ -120,6 +123,7 @@ class ShardedParams:
             dt_bias=self.dt_bias,
             o_norm_w=self.o_norm_w,
             o_proj=self.o_proj,
+            g_bias=self.g_bias,
         )
 
 
@@ -181,7 +185,10 @@ def shard_params(params: KdaParams, cfg: KdaConfig, mesh: Mesh) -> ShardedParams
     placed = {
         n: jax.device_put(a, NamedSharding(mesh, _SHARDED_SPECS[n])) for n, a in fields.items()
     }
-    return ShardedParams(**placed, mesh=mesh)
+    bias = params.g_bias
+    if bias is not None:
+        bias = jax.device_put(bias, NamedSharding(mesh, P(MODEL)))
+    return ShardedParams(**placed, mesh=mesh, g_bias=bias)
 
 
 def state_specs(snapshots: bool = False) -> KdaState:

@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import conv, gemv
+from pallas_kernels import reference as ref
 
 __all__ = ["decode_front"]
 
@@ -38,6 +39,7 @@ def decode_front(
     snapshots: bool = False,
     out_dtype=None,
     slots: jax.Array | None = None,
+    biases=None,
     interpret: bool | None = None,
 ):
     """conv_decode(x, conv_state, w, ...) and proj_many(xs, ws) in one launch; the kernel of
@@ -50,6 +52,7 @@ def decode_front(
       xs, ws: as `gemv.proj_many`: activations [M, D] (M >= 1; one launch for M <= 64) and
         weights [N, D] of one shape each (the block's f_a, g_a and f_b, g_b).
       out_dtype: dtype of the projections (default: the weights').
+      biases: as `gemv.proj_many`: None or one entry (None or [N]) per weight, added in fp32.
       interpret: run in Pallas interpret mode (None: when there is no GPU).
     Both parts take their own launches' default tilings (what keeps their bits).
     Returns:
@@ -59,10 +62,13 @@ def decode_front(
     kw = dict(qk_channels=qk_channels, head_dim=head_dim, l2_eps=l2_eps, splits=splits)
     kw.update(snapshots=snapshots, slots=slots, interpret=interpret)
     if xs and xs[0].ndim == 2 and xs[0].shape[0] > gemv.MAX_TILE_ROWS:
-        ys = gemv.proj_many(xs, ws, out_dtype=out_dtype, interpret=interpret)
+        ys = gemv.proj_many(xs, ws, out_dtype=out_dtype, biases=biases, interpret=interpret)
         return (*conv.conv_decode(x, conv_state, w, **kw), ys)
     cp = conv.plan_decode(x, conv_state, w, flat=True, **kw)
-    sp = gemv.plan(xs, ws, out_dtype=out_dtype, what="decode_front")
+    biases = ref.proj_many_biases(biases, tuple(ws))
+    out_dtype = jnp.dtype(out_dtype or ws[0].dtype)
+    acc = out_dtype if all(b is None for b in biases) else jnp.float32
+    sp = gemv.plan(xs, ws, out_dtype=acc, what="decode_front")
     warps = sp.block_sizes.num_warps
     if cp.num_warps != warps:
         raise ValueError(
@@ -97,4 +103,6 @@ def decode_front(
         interpret=cp.interpret,
     )(*cp.inputs, *sp.inputs)
     out, new_state, states = cp.finish(res[:n_out])
-    return out, new_state, states, tuple(sp.finish(res[n_out:]))
+    ys = sp.finish(res[n_out:])
+    ys = tuple(ref.add_bias(y, b, out_dtype) for y, b in zip(ys, biases, strict=True))
+    return out, new_state, states, ys

@@ -573,25 +573,33 @@ def _xla_dot(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
     )
 
 
-def proj_many(xs, ws, *, out_dtype=None, interpret: bool | None = None) -> tuple[jax.Array, ...]:
-    """Several projections of one shape, y_g = xs[g] @ ws[g].T (`reference.proj_many_reference`):
-    one launch for M <= 64 (a grid axis over the weights; the decode step's f_b and g_b), XLA's
-    dots above, as in `proj`.
+def proj_many(
+    xs, ws, *, out_dtype=None, biases=None, interpret: bool | None = None
+) -> tuple[jax.Array, ...]:
+    """Several projections of one shape, y_g = xs[g] @ ws[g].T + biases[g]
+    (`reference.proj_many_reference`): one launch for M <= 64 (a grid axis over the weights; the
+    decode step's f_b and g_b), XLA's dots above, as in `proj`.
 
     Args:
       xs: sequence of [M, D] activations (same shape); ws: sequence of [N, D] weights (same shape
         and dtype), as many as xs.
       out_dtype: dtype of every y (default: the weights' dtype).
+      biases: None, or one entry (None or [N]) per weight. With a bias, the sweep writes fp32
+        and the bias is added in fp32 before the one cast to out_dtype (`reference.add_bias`).
       interpret: run the kernel in interpret mode (None: when there is no GPU).
     Returns:
       tuple of [M, N] out_dtype, one per weight.
     """
     xs, ws = list(xs), list(ws)
     _check_groups(xs, ws, "proj_many")
+    biases = ref.proj_many_biases(biases, ws)
     m = xs[0].shape[0]
     if m <= MAX_TILE_ROWS:
         m_range = (1, MAX_TILE_ROWS)
-        return tuple(_run(xs, ws, out_dtype, None, None, "proj_many", m_range, interpret))
+        out_dtype = jnp.dtype(out_dtype or ws[0].dtype)
+        acc = out_dtype if all(b is None for b in biases) else jnp.float32
+        ys = _run(xs, ws, acc, None, None, "proj_many", m_range, interpret)
+        return tuple(ref.add_bias(y, b, out_dtype) for y, b in zip(ys, biases, strict=True))
     for x, w in zip(xs, ws, strict=True):
         _check(x, w, "proj_many", (m, m))
-    return ref.proj_many_reference(xs, ws, out_dtype=out_dtype)
+    return ref.proj_many_reference(xs, ws, out_dtype=out_dtype, biases=biases)

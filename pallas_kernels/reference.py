@@ -62,14 +62,18 @@ def slot_fill(slots: jax.Array, a: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------------------------
 # Projections
 # --------------------------------------------------------------------------------------------
-def gemv_reference(x: jax.Array, w: jax.Array, *, out_dtype=None, splits=None):
-    """y = x @ w.T with fp32 accumulation.
+def gemv_reference(
+    x: jax.Array, w: jax.Array, *, out_dtype=None, splits=None, bias=None, precision=None
+):
+    """y = x @ w.T (+ bias) with fp32 accumulation, cast once.
 
     Args:
       x: [M, D] activations (M rows; 1 for a single-token GEMV).
       w: [N, D] weight in torch `[out, in]` layout.
       out_dtype: dtype of y (default: w.dtype).
       splits: widths summing to N: return y's column blocks, in order, as a tuple.
+      bias: optional [N], added in fp32 before the cast.
+      precision: of the dot (None: HIGHEST, IEEE fp32 for fp32 weights).
     Returns:
       [M, N] out_dtype, or a tuple of [M, n_s] when `splits` is given.
     """
@@ -78,8 +82,9 @@ def gemv_reference(x: jax.Array, w: jax.Array, *, out_dtype=None, splits=None):
         w,
         (((1,), (1,)), ((), ())),
         preferred_element_type=f32,
-        precision=lax.Precision.HIGHEST,
-    ).astype(out_dtype or w.dtype)
+        precision=precision or lax.Precision.HIGHEST,
+    )
+    y = add_bias(y, bias, out_dtype or w.dtype)
     return y if splits is None else split_last(y, splits)
 
 
@@ -91,9 +96,35 @@ def split_last(y: jax.Array, splits) -> tuple[jax.Array, ...]:
     return tuple(y[..., lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def proj_many_reference(xs, ws, *, out_dtype=None) -> tuple[jax.Array, ...]:
-    """(xs[g] @ ws[g].T for every g), fp32 accumulation: several projections of one shape."""
-    return tuple(gemv_reference(x, w, out_dtype=out_dtype) for x, w in zip(xs, ws, strict=True))
+def add_bias(y: jax.Array, bias, out_dtype) -> jax.Array:
+    """y + bias in fp32 (no bias: y), cast once to out_dtype: how every stage adds a bias."""
+    if bias is not None:
+        y = y.astype(f32) + bias.astype(f32)
+    return y.astype(out_dtype)
+
+
+def proj_many_biases(biases, ws) -> tuple:
+    """`biases` as one entry per weight (None or [N]); None means no bias anywhere."""
+    biases = (None,) * len(ws) if biases is None else tuple(biases)
+    n = ws[0].shape[0] if len(ws) else 0
+    if len(biases) != len(ws) or any(b is not None and b.shape != (n,) for b in biases):
+        raise ValueError(
+            f"biases: expected {len(ws)} entries, each None or [{n}], got "
+            f"{[None if b is None else tuple(b.shape) for b in biases]}"
+        )
+    return biases
+
+
+def proj_many_reference(
+    xs, ws, *, out_dtype=None, biases=None, precision=None
+) -> tuple[jax.Array, ...]:
+    """(xs[g] @ ws[g].T + biases[g] for every g), fp32 accumulation: several projections of one
+    shape; `biases` is None or one entry (None or [N]) per weight."""
+    biases = proj_many_biases(biases, ws)
+    return tuple(
+        gemv_reference(x, w, out_dtype=out_dtype, bias=b, precision=precision)
+        for x, w, b in zip(xs, ws, biases, strict=True)
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,10 +214,13 @@ def decode_front_reference(
     snapshots: bool = False,
     out_dtype=None,
     slots: jax.Array | None = None,
+    biases=None,
+    precision=None,
 ):
     """The decode step's conv and its f_b | g_b projections, which share one launch on the
     kernel path: `conv_decode_reference(x, conv_state, w, ..., slots)` and
-    `proj_many_reference(xs, ws)`. Returns (out or its segments, new_state, states | None, ys)."""
+    `proj_many_reference(xs, ws, biases=biases)`. Returns (out or its segments, new_state,
+    states | None, ys)."""
     out, new_state, states = conv_decode_reference(
         x,
         conv_state,
@@ -198,7 +232,8 @@ def decode_front_reference(
         snapshots=snapshots,
         slots=slots,
     )
-    return out, new_state, states, proj_many_reference(xs, ws, out_dtype=out_dtype)
+    ys = proj_many_reference(xs, ws, out_dtype=out_dtype, biases=biases, precision=precision)
+    return out, new_state, states, ys
 
 
 def conv_prefill_reference(

@@ -123,3 +123,23 @@ def test_decode_front_lowers_for_h200(batch, rows):
     )
     text = lower_for_h200(fn, x, state, w, xs, ws)
     assert "kda_decode_front" in text and text.count("xla.gpu.triton") == 1
+
+
+def test_decode_front_adds_a_bias_as_its_reference_does(rng):
+    """The output gate's bias (FLA's g_proj.1.bias): added to the fp32 sweep before the one cast,
+    on the kernel and in the reference; the other projection has none. Lowers for an H200."""
+    x, state, w, xs, ws = _inputs(rng, 2)
+    biases = (None, normal(jax.random.fold_in(rng, 1), (N,)))
+    run = lambda *a, interpret=None: decode_front(  # noqa: E731
+        *a, **KW, biases=biases, interpret=interpret
+    )
+    _, _, _, ys = jax.jit(run)(x, state, w, xs, ws)
+    _, _, _, ys_r = decode_front_reference(x, state, w, xs, ws, **KW, biases=biases)
+    _, _, _, ys_nb = decode_front_reference(x, state, w, xs, ws, **KW)
+    assert all(y.dtype == jnp.bfloat16 for y in ys)
+    for i in range(2):
+        assert_close(ys[i], ys_r[i], TOL["bf16_stage"], f"projection {i}")
+    np.testing.assert_array_equal(ys_r[0], ys_nb[0])
+    assert not np.array_equal(np.asarray(ys_r[1]), np.asarray(ys_nb[1]))
+    text = lower_for_h200(lambda *a: run(*a, interpret=False), x, state, w, xs, ws)
+    assert "kda_decode_front" in text and text.count("xla.gpu.triton") == 1

@@ -302,3 +302,18 @@ def test_splits_and_groups_lower_for_h200():
     w = jax.ShapeDtypeStruct(F_B, BF16)
     text = lower_for_h200(lambda x, w: G.proj_many((x, x), (w, w), interpret=False), x, w)
     assert text.count("xla.gpu.triton") == 1, "expected one kernel for both weights"
+
+
+@pytest.mark.parametrize("m", [3, 80])  # the kernel (M <= 64) and XLA's dots (M > 64)
+def test_proj_many_adds_biases_as_its_reference_does(rng, m):
+    k1, k2, k3, k4, k5 = jax.random.split(rng, 5)
+    xs = [normal(k1, (m, 48), jnp.bfloat16), normal(k2, (m, 48), jnp.bfloat16)]
+    ws = [normal(k3, (100, 48), jnp.bfloat16), normal(k4, (100, 48), jnp.bfloat16)]
+    biases = (normal(k5, (100,)), None)
+    got = G.proj_many(xs, ws, biases=biases)
+    want = ref.proj_many_reference(xs, ws, biases=biases)
+    for g, w_ in zip(got, want, strict=True):
+        assert g.dtype == jnp.bfloat16
+        assert_close(g, w_, TOL["bf16_stage"], "proj_many with a bias")
+    with pytest.raises(ValueError, match="biases"):
+        G.proj_many(xs, ws, biases=(None,))

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ON_GPU, TOL, assert_close, normal, rel_rms
 from safetensors.numpy import load_file, save_file
 
 import kda_jax as K
@@ -334,3 +335,119 @@ def test_save_takes_numpy_integers(tmp_path):
     _, got = load_hf_params(tmp_path, np.int64(1), dtype=jnp.float32)
     chex.assert_trees_all_equal(got, params)
     shutil.rmtree(tmp_path)
+
+
+# FLA layer checkpoints: fla.layers.kda.KimiDeltaAttention's state_dict names, written here from
+# FLA's layout (not by the loader's own code), then loaded and run against the oracle.
+
+
+def write_fla(path, cfg, params, prefix=""):
+    """FLA's layer as safetensors: q/k/v_proj, q/k/v_conv1d [P, 1, W], f_proj.0/1, b_proj,
+    A_log [H], dt_bias [P], g_proj.0/1 (+ g_proj.1.bias when params has a gate bias), o_norm,
+    o_proj."""
+    from kda_jax.params import in_proj_slices
+
+    sl, p = in_proj_slices(cfg), cfg.qkv_dim
+    w_in, conv = np.asarray(params.w_in), np.asarray(params.conv_w)
+    t = {
+        "q_proj.weight": w_in[sl["q"]],
+        "k_proj.weight": w_in[sl["k"]],
+        "v_proj.weight": w_in[sl["v"]],
+        "f_proj.0.weight": w_in[sl["f_a"]],
+        "f_proj.1.weight": np.asarray(params.f_b),
+        "g_proj.0.weight": w_in[sl["g_a"]],
+        "g_proj.1.weight": np.asarray(params.g_b),
+        "b_proj.weight": w_in[sl["b"]],
+        "A_log": np.asarray(params.a_log),
+        "dt_bias": np.asarray(params.dt_bias),
+        "o_norm.weight": np.asarray(params.o_norm_w),
+        "o_proj.weight": np.asarray(params.o_proj),
+    }
+    for i, n in enumerate("qkv"):
+        t[f"{n}_conv1d.weight"] = conv[i * p : (i + 1) * p, None, :]
+    if params.g_bias is not None:
+        t["g_proj.1.bias"] = np.asarray(params.g_bias)
+    fn = os.path.join(path, "layer.safetensors")
+    save_file({prefix + k: np.ascontiguousarray(v) for k, v in t.items()}, fn)
+    return fn
+
+
+@pytest.mark.parametrize("gate_bias", [False, True])
+@pytest.mark.parametrize("name", ["tiny", "tiny-bounded"])
+def test_fla_checkpoint_loads_and_matches_the_oracle(tmp_path, rng, name, gate_bias):
+    cfg = K.preset(name)
+    params = K.init_params(cfg, jax.random.key(7), jnp.float32, gate_bias=gate_bias)
+    prefix = "model.layers.3.attn."
+    fn = write_fla(tmp_path, cfg, params, prefix)
+    got = K.load_fla_params(fn, cfg, prefix=prefix, dtype=jnp.float32)
+    chex.assert_trees_all_equal(got, params)
+    assert (got.g_bias is not None) == gate_bias
+    blk = K.load_fla_layer(tmp_path, cfg, prefix=prefix, dtype=jnp.float32, backend="xla")
+    x = normal(rng, (2, 23, cfg.hidden))
+    s0 = K.KdaState.zeros(cfg, 2)
+    y_ref, s_ref, stages = K.oracle_forward(params, cfg, x, s0)  # the weights as written
+    y, s = blk(x)
+    assert_close(y, y_ref, TOL["fp32_cpu"], "prefill y")
+    assert_close(s.recurrent, s_ref.recurrent, TOL["fp32_cpu"], "prefill state")
+    yd, _ = blk.decode(x[:, 0], s0)
+    assert_close(yd, y_ref[:, 0], TOL["fp32_cpu"], "decode y")
+    if gate_bias:  # the bias reaches the output: without it the block computes another layer
+        y_nb, _, _ = K.oracle_forward(params.replace(g_bias=None), cfg, x, s0)
+        assert rel_rms(y_nb, y_ref) > 100 * TOL["fp32_cpu"]
+
+
+@pytest.mark.slow
+def test_fla_gate_bias_on_the_pallas_backend(tmp_path, rng):
+    cfg = K.preset("tiny")
+    params = K.init_params(cfg, jax.random.key(8), jnp.float32, gate_bias=True)
+    fn = write_fla(tmp_path, cfg, params)
+    blk = K.load_fla_layer(fn, cfg, dtype=jnp.float32, backend="pallas")
+    x = normal(rng, (1, 20, cfg.hidden))
+    s0 = K.KdaState.zeros(cfg, 1)
+    y_ref, _, _ = K.oracle_forward(params, cfg, x, s0)
+    bar = TOL["fp32_gpu"] if ON_GPU else TOL["fp32_cpu"]
+    y, _ = blk(x)
+    assert_close(y, y_ref, bar, "pallas prefill")
+    yd, _ = blk.decode(x[:, 0], s0)
+    assert_close(yd, y_ref[:, 0], bar, "pallas decode")
+    yk, _, _ = blk.decode_k(x[:, :3], s0)
+    assert_close(yk, y_ref[:, :3], bar, "pallas decode_k")
+
+
+@pytest.fixture
+def fla_file(tmp_path):
+    cfg = K.preset("tiny")
+    params = K.init_params(cfg, jax.random.key(9), jnp.float32, gate_bias=True)
+    fn = write_fla(tmp_path, cfg, params)
+    return cfg, fn, load_file(fn)
+
+
+def fla_error(cfg, fn, tensors, match, **kw) -> str:
+    save_file(tensors, fn)
+    with pytest.raises(CheckpointError, match=match) as e:
+        K.load_fla_params(fn, cfg, **kw)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("tensor", ["f_proj.1.weight", "q_conv1d.weight", "A_log"])
+def test_fla_errors_name_file_tensor_found_and_expected(fla_file, tensor):
+    cfg, fn, t = fla_file
+    missing = dict(t)
+    del missing[tensor]
+    msg = fla_error(cfg, fn, missing, "missing")
+    assert tensor in msg and fn in msg, msg
+    bad = dict(t)
+    bad[tensor] = np.zeros((3, 5), np.float32)
+    msg = fla_error(cfg, fn, bad, "shape")
+    assert tensor in msg and fn in msg and "(3, 5)" in msg and str(t[tensor].shape) in msg, msg
+
+
+def test_fla_refuses_tensors_the_block_has_no_place_for(fla_file):
+    cfg, fn, t = fla_file
+    extra = dict(t, **{"q_conv1d.bias": np.zeros(cfg.qkv_dim, np.float32)})
+    msg = fla_error(cfg, fn, extra, "unexpected")
+    assert "q_conv1d.bias" in msg and fn in msg, msg
+    # A model's file read without the layer's prefix: every name is unexpected or missing.
+    save_file({"model.layers.0.attn." + k: v for k, v in t.items()}, fn)
+    with pytest.raises(CheckpointError, match="missing"):
+        K.load_fla_params(fn, cfg)

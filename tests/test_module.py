@@ -5,7 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from conftest import ON_GPU, TOL, assert_close, normal
 from flax import nnx
 
 import kda_jax as K
@@ -89,3 +91,76 @@ def test_module_params_carry_partition_specs():
     )
     loaded = K.KimiDeltaAttention.from_params(cfg, blk.params(), backend="xla")
     assert nnx.get_partition_spec(nnx.state(loaded, nnx.Param))["dt_bias"].get_value() == P("model")
+    biased = K.KimiDeltaAttention(cfg, rngs=nnx.Rngs(0), gate_bias=True)
+    assert nnx.get_partition_spec(nnx.state(biased, nnx.Param))["g_bias"].get_value() == P("model")
+
+
+def test_param_dtype_defaults_to_dtype():
+    """Without param_dtype the matrices are stored as they compute: no cast on any call."""
+    cfg = K.preset("tiny")
+    blk = K.KimiDeltaAttention(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    assert blk.param_dtype == blk.dtype == jnp.bfloat16 and blk.params().dtype == jnp.bfloat16
+
+
+def test_bf16_compute_over_fp32_params_meets_the_bf16_bar_with_fp32_gradients(rng):
+    """Flax's convention: parameters in param_dtype, computation in dtype."""
+    cfg = K.preset("tiny")
+    blk = K.KimiDeltaAttention(
+        cfg, rngs=nnx.Rngs(0), backend="xla", dtype=jnp.bfloat16, param_dtype=jnp.float32
+    )
+    assert blk.param_dtype == jnp.float32 and blk.dtype == jnp.bfloat16
+    params = nnx.state(blk, nnx.Param)
+    assert {a.dtype for a in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+    x = normal(rng, (2, 19, cfg.hidden))
+    y, s = blk(x)
+    assert y.dtype == jnp.bfloat16
+    y_ref, s_ref, _ = K.oracle_forward(blk.params(), cfg, x, blk.init_state(2))
+    assert_close(y, y_ref, TOL["bf16_e2e"], "y")
+    assert_close(s.recurrent, s_ref.recurrent, TOL["bf16_e2e"], "state")
+
+    def loss(m):
+        y, _ = m(x)
+        return jnp.mean(y.astype(jnp.float32) ** 2)
+
+    grads = jax.tree.leaves(nnx.state(nnx.grad(loss)(blk), nnx.Param))
+    assert {g.dtype for g in grads} == {jnp.dtype(jnp.float32)}
+    assert all(np.isfinite(g).all() for g in grads) and any(np.abs(g).max() > 0 for g in grads)
+
+
+def test_param_dtype_bf16_stores_matrices_in_bf16_and_vectors_in_fp32():
+    cfg = K.preset("tiny")
+    blk = K.KimiDeltaAttention(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16, gate_bias=True)
+    p = blk.params()
+    assert p.dtype == jnp.bfloat16 and p.o_proj.dtype == jnp.bfloat16
+    assert p.a_log.dtype == p.g_bias.dtype == jnp.float32 and p.g_bias.shape == (cfg.qkv_dim,)
+
+
+def test_default_precision_keeps_the_fp32_bar(rng):
+    cfg = K.preset("tiny-bounded")
+    blk = K.KimiDeltaAttention(cfg, rngs=nnx.Rngs(0), backend="xla", dtype=jnp.float32)
+    x = normal(rng, (2, 21, cfg.hidden))
+    y, s = blk(x)
+    y_ref, s_ref, _ = K.oracle_forward(blk.params(), cfg, x, blk.init_state(2))
+    bar = TOL["fp32_gpu"] if ON_GPU else TOL["fp32_cpu"]  # "default" is TF32 on a GPU
+    assert_close(y, y_ref, bar, "y")
+    assert_close(s.recurrent, s_ref.recurrent, bar, "state")
+    with pytest.raises(ValueError, match="precision='ultra'"):
+        K.KimiDeltaAttention(cfg, rngs=nnx.Rngs(0), precision="ultra")
+
+
+def test_weight_decay_mask_leaves_out_the_gate_norm_and_bias():
+    cfg = K.preset("tiny")
+    blk = K.KimiDeltaAttention(cfg, rngs=nnx.Rngs(0), gate_bias=True)
+    mask = K.weight_decay_mask(nnx.state(blk, nnx.Param))
+    flat = {str(path[0].key): m for path, m in jax.tree_util.tree_leaves_with_path(mask)}
+    assert {n for n, m in flat.items() if not m} == {"a_log", "dt_bias", "o_norm_w", "g_bias"}
+    assert {n for n, m in flat.items() if m} == {"w_in", "f_b", "g_b", "conv_w", "o_proj"}
+    tx = optax.adamw(1e-3, weight_decay=0.1, mask=K.weight_decay_mask)
+    opt = nnx.Optimizer(blk, tx, wrt=nnx.Param)
+    zero = jax.tree.map(jnp.zeros_like, nnx.state(blk, nnx.Param))
+    before = blk.params()
+    opt.update(blk, zero)  # zero gradients: only weight decay moves a parameter
+    after = blk.params()
+    for name in ("a_log", "dt_bias", "o_norm_w", "g_bias"):
+        np.testing.assert_array_equal(getattr(after, name), getattr(before, name))
+    assert not np.array_equal(after.w_in, before.w_in)
