@@ -25,9 +25,10 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  for b in prefill decode gemv; do
+  for b in prefill decode gemv sharding; do
     step "bench_$b" 1800 "$py" "benchmarks/bench_$b.py"
   done
+  step bench_decode_pool 1800 "$py" benchmarks/bench_decode.py --pool
   step decode_profile 600 "$py" benchmarks/decode_profile.py --cases core:1,core:8,core:64
   "$py" scripts/make_results_table.py || rc=1
 fi
