@@ -109,6 +109,22 @@ def test_entry_points_equal_unsharded_with_one_all_reduce(shape, rng):
     assert collectives(fn, sp, x[:, :3], sd) == want_coll
 
 
+def test_gate_bias_is_split_by_head(rng):
+    """The output gate's optional bias (FLA's layer has one) travels with its heads."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    params, x, state, lengths = inputs(rng, 4, 11)
+    params = params.replace(g_bias=normal(jax.random.fold_in(rng, 1), (CFG.qkv_dim,)))
+    sp = S.shard_params(params, CFG, mesh)
+    assert_sharded_like(sp.g_bias, mesh, P("model"), "g_bias")
+    ss = S.shard_state(state, CFG, mesh)
+    y_ref, s_ref = forward.prefill(params, CFG, x, state, lengths, backend="xla")
+    y, s = S.prefill(sp, CFG, x, ss, lengths, backend="xla")
+    assert_close(y, y_ref, TOL["sharded_vs_unsharded"], "prefill y, gate bias")
+    yd_ref, _ = forward.decode(params, CFG, x[:, 0], s_ref, backend="xla")
+    yd, _ = S.decode(sp, CFG, x[:, 0], s, backend="xla")
+    assert_close(yd, yd_ref, TOL["sharded_vs_unsharded"], "decode y, gate bias")
+
+
 @pytest.mark.slow
 def test_pallas_kernels_run_per_shard(rng):
     """The pallas backend (interpret mode on a CPU) inside shard_map: one small case."""
@@ -152,7 +168,8 @@ def test_load_hf_sharded_reads_slices_and_equals_shard_params(
     monkeypatch.setattr(hf._Checkpoint, "read", whole)
     cfg, got = S.load_hf_sharded(tmp_path, 0, mesh, dtype=jnp.float32)
     assert cfg == CFG.replace(chunk=cfg.chunk)  # config.json has no chunk
-    for name in S.PARAM_AXES:
+    assert got.g_bias is None and want.g_bias is None  # Hugging Face layers have no gate bias
+    for name in S.PARAM_AXES.keys() - {"g_bias"}:
         a, b = getattr(got, name), getattr(want, name)
         assert a.sharding.is_equivalent_to(b.sharding, a.ndim), name
         np.testing.assert_array_equal(a, b, err_msg=name)

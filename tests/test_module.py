@@ -150,7 +150,7 @@ def test_default_precision_keeps_the_fp32_bar(rng):
 
 def test_weight_decay_mask_leaves_out_the_gate_norm_and_bias():
     cfg = K.preset("tiny")
-    blk = K.KimiDeltaAttention(cfg, rngs=nnx.Rngs(0), gate_bias=True)
+    blk = K.KimiDeltaAttention(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32, gate_bias=True)
     mask = K.weight_decay_mask(nnx.state(blk, nnx.Param))
     flat = {str(path[0].key): m for path, m in jax.tree_util.tree_leaves_with_path(mask)}
     assert {n for n, m in flat.items() if not m} == {"a_log", "dt_bias", "o_norm_w", "g_bias"}
