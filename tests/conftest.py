@@ -125,6 +125,14 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"kda-jax inputs: KDA_TEST_SEED={RUN_SEED}")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_jit_caches():
+    """Each test file starts with empty compilation caches: the whole suite in one process
+    otherwise holds every program it ever compiled."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture
 def rng(request):
     """A key from the run's seed and the test's id: each test draws its own inputs, new ones on
