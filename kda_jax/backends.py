@@ -69,8 +69,9 @@ def stages(backend: str, *, interpret: bool | None = None, precision=None) -> St
 
     interpret: the pallas kernels' mode, passed to every stage (None: interpret mode when there
     is no GPU); the xla backend has no kernels and takes None only.
-    precision: the xla backend's projection dots (None: HIGHEST); the pallas kernels fix their
-    own (IEEE fp32 for fp32 weights, fp32 accumulation for bf16) and ignore it.
+    precision: the xla backend's projection dots, the output gate's inside `prefill_core` too
+    (None: HIGHEST); the pallas kernels fix their own (IEEE fp32 for fp32 weights, fp32
+    accumulation for bf16) and ignore it.
     """
     prec = to_precision(precision)
     if backend == "xla":
@@ -83,7 +84,7 @@ def stages(backend: str, *, interpret: bool | None = None, precision=None) -> St
             decode_front=bind(ref.decode_front_reference),
             conv_prefill=ref.conv_prefill_reference,
             decode_core=ref.decode_core_reference,
-            prefill_core=ref.prefill_core_reference,
+            prefill_core=bind(ref.prefill_core_reference),
         )
     if backend == "pallas":
         from pallas_kernels.chunk import prefill_core

@@ -483,9 +483,9 @@ def _prefill_rows(
     b_, t, _ = x.shape
     st = backends.stages(backend, interpret=interpret, precision=precision)
     qkv, f_a, g_a, b = _in_proj(st, params, cfg, x.reshape(b_ * t, -1))
-    f, z = st.proj_many((f_a, g_a), (params.f_b, params.g_b), biases=(None, params.g_bias))
+    f = st.proj(f_a, params.f_b)  # the output gate's z is formed inside the core's norm
     shape = lambda a: a.reshape(b_, t, a.shape[-1])  # noqa: E731
-    qkv, f, b, z = shape(qkv), shape(f), shape(b), shape(z)
+    qkv, f, b, g_a = shape(qkv), shape(f), shape(b), shape(g_a)
     conv_out, conv_state = st.conv_prefill(
         qkv,
         state.conv if codes is None else ref.pool_rows(state.conv, codes),  # [B, W-1, C]: small
@@ -503,7 +503,8 @@ def _prefill_rows(
         v,
         f,
         b,
-        z,
+        g_a,
+        params.g_b,
         state.recurrent,
         ok,
         params.a_log,
@@ -513,12 +514,15 @@ def _prefill_rows(
         chunk=cfg.chunk,
         lower_bound=cfg.gate_lower_bound,
         eps=cfg.rms_norm_eps,
+        g_bias=params.g_bias,
         out_dtype=params.dtype,
         poison=poison,
         slots=codes,
     )
     out = st.proj(y.reshape(b_ * t, cfg.qkv_dim), params.o_proj).reshape(b_, t, cfg.hidden)
     stages = None
-    if return_stages:
+    if return_stages:  # z for the stage list only: the core forms it inside its norm
+        (z,) = st.proj_many((g_a.reshape(b_ * t, -1),), (params.g_b,), biases=(params.g_bias,))
+        z = shape(z)
         stages = dict(qkv_proj=qkv, q=q, k=k, v=v, g_raw=f, out_gate=z, o_norm_out=y, final_out=out)
     return out, rec, conv_state, stages

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from pallas_kernels import common
 from pallas_kernels.chunk_prepare import chunk_prepare
 from pallas_kernels.chunk_scan import chunk_scan
-from pallas_kernels.o_norm import o_norm
+from pallas_kernels.o_norm import o_norm_gate
 
 __all__ = ["chunk_kda", "prefill_core"]
 
@@ -101,7 +101,8 @@ def prefill_core(
     v: jax.Array,
     f: jax.Array,
     b: jax.Array,
-    z: jax.Array,
+    g_a: jax.Array,
+    g_b: jax.Array,
     state: jax.Array,
     lengths: jax.Array,
     a_log: jax.Array,
@@ -112,6 +113,7 @@ def prefill_core(
     chunk: int,
     lower_bound: float | None,
     eps: float,
+    g_bias: jax.Array | None = None,
     out_dtype=jnp.bfloat16,
     poison: jax.Array | None = None,
     slots: jax.Array | None = None,
@@ -120,13 +122,15 @@ def prefill_core(
     """Gate, beta, chunked recurrence and gated RMSNorm over T padded tokens.
 
     The kernel path of `reference.prefill_core_reference`: positions t >= lengths[b] leave the
-    state alone and output 0 (NaN below `poison[b]`), whatever q, k, v, f, b, z hold there.
+    state alone and output 0 (NaN below `poison[b]`), whatever q, k, v, f, b, g_a hold there.
     o passes between the scan and the norm in the intermediates' dtype (bf16 unless the block
-    runs in fp32): the norm's input needs no more than its output keeps.
+    runs in fp32): the norm's input needs no more than its output keeps. The norm forms the
+    output gate z = g_a g_b^T (+ g_bias) per tile (`o_norm_gate`): z is never written.
 
     Args:
       q, k, v: [B, T, H, K] from conv_prefill (q, k L2-normalised).
-      f: [B, T, P]; b: [B, T, H]; z: [B, T, P]; state: [B, H, K, V] fp32; lengths: [B] int32.
+      f: [B, T, P]; b: [B, T, H]; state: [B, H, K, V] fp32; lengths: [B] int32.
+      g_a: [B, T, R]; g_b: [P, R]; g_bias: optional [P]: the output gate's projection.
       a_log: [H]; dt_bias: [P]; o_norm_w: [V].
       poison: optional [B] int32 >= lengths, as in the reference.
       slots: [B] int32 or None: state is then a pool [S, H, K, V] read and written in place
@@ -154,6 +158,16 @@ def prefill_core(
         slots=slots,
         interpret=interpret,
     )
-    keep = common.output_keep(lengths, t, poison)  # z may be NaN at pads: replaced, not scaled
-    y = o_norm(o, z, o_norm_w, eps=eps, keep=keep, out_dtype=out_dtype, interpret=interpret)
+    keep = common.output_keep(lengths, t, poison)  # g_a may be NaN at pads: replaced, not scaled
+    y = o_norm_gate(
+        o,
+        g_a,
+        g_b,
+        o_norm_w,
+        keep,
+        eps=eps,
+        g_bias=g_bias,
+        out_dtype=out_dtype,
+        interpret=interpret,
+    )
     return y, new_state

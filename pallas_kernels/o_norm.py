@@ -1,25 +1,29 @@
 """Sigmoid-gated RMSNorm of the core output (SPEC §1, `y_h`), one head per row.
 
 `y_h = o_h * rsqrt(mean_d o_h^2 + eps) * w * sigmoid(z_h)`, fp32 math and one cast at the end.
-Rows are (sequence, token, head) triples flattened to `N = prod(lead) * H` rows of `V` values;
-each program normalises a tile of `block_rows` whole rows, so the mean never crosses programs.
-`decode_core` fuses the same epilogue into the recurrent kernel when its V tile covers a whole
-head (`recurrent.py`); this kernel serves the prefill path and the split-V decode.
+`o_norm` reads a materialised z: rows are (sequence, token, head) triples flattened to
+`N = prod(lead) * H` rows of `V` values, each program normalising `block_rows` whole rows, so the
+mean never crosses programs (the split-V decode). `o_norm_gate` serves the prefill: it forms
+z = g_a g_b^T (+ bias) for its [block_t, V] tile of one head itself, so z's [B, T, P] is never
+written or read. `decode_core` fuses the same epilogue into the recurrent kernel when its V
+tile covers a whole head (`recurrent.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
 
-__all__ = ["ONormBlockSizes", "o_norm"]
+__all__ = ["ONormBlockSizes", "o_norm", "o_norm_gate"]
 
 f32 = jnp.float32
 
@@ -137,3 +141,110 @@ def o_norm(
         interpret=common.resolve_interpret(interpret),
     )(rows(o), rows(z), w, *extra)
     return y.reshape(*lead, h * v)
+
+
+def _o_norm_gate_kernel(
+    o_ref,  # [block_t, V] of one head
+    ga_ref,  # [block_t, R]
+    gb_ref,  # [V, R]: the head's rows of g_b
+    w_ref,  # [V]
+    keep_ref,  # [block_t] fp32
+    *refs,  # bias_ref [V] (only with a bias), y_ref [block_t, V]
+    t: int,
+    eps: float,
+):
+    *bias_ref, y_ref = refs
+    bt = o_ref.shape[0]
+    rows = pl.program_id(1) * bt + lax.broadcasted_iota(jnp.int32, (bt,), 0)
+    inside = (rows < t)[:, None]  # the last tile may run past T: masked loads, masked store
+    tile = jnp.broadcast_to(inside, y_ref.shape)
+    o = plt.load(o_ref, mask=tile, other=0.0).astype(f32)
+    ga = plt.load(ga_ref, mask=jnp.broadcast_to(inside, ga_ref.shape), other=0.0)
+    gb = gb_ref[...]
+    hi = gb.dtype == jnp.float32  # fp32 weights: IEEE products, as the projections have
+    z = lax.dot_general(
+        ga.astype(gb.dtype),
+        gb,
+        (((1,), (1,)), ((), ())),
+        preferred_element_type=f32,
+        precision=lax.Precision.HIGHEST if hi else None,
+    )
+    if bias_ref:
+        z = z + bias_ref[0][...].astype(f32)[None, :]
+    y = gated_rms_norm(o, z, w_ref[...].astype(f32)[None, :], eps)
+    keep = plt.load(keep_ref, mask=rows < t, other=0.0)[:, None]
+    y = jnp.where(keep == 1.0, y, keep)
+    plt.store(y_ref, y.astype(y_ref.dtype), mask=tile)
+
+
+def o_norm_gate(
+    o: jax.Array,
+    g_a: jax.Array,
+    g_b: jax.Array,
+    w: jax.Array,
+    keep: jax.Array,
+    *,
+    eps: float,
+    g_bias: jax.Array | None = None,
+    out_dtype=jnp.bfloat16,
+    block_t: int | None = None,
+    num_warps: int = 4,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """`o_norm` with the output gate's projection inside: z = g_a @ g_b.T (+ g_bias) in fp32.
+
+    Args:
+      o: [B, T, H, V] core output (any float dtype, read as fp32).
+      g_a: [B, T, R] the gate's down-projection; g_b: [H*V, R] its up-projection weight;
+        g_bias: optional [H*V].
+      w: [V] norm weight; keep: [B, T] fp32 as in `o_norm` (1 keeps the norm, any other value
+        replaces the token's output, whatever o and g_a hold there).
+      block_t: tokens per program, a power of two >= 16 (default: 64, or T rounded up to a
+        power of two when shorter); num_warps: Triton warps per program.
+    Returns:
+      [B, T, H*V] out_dtype.
+    """
+    bsz, t, h, v = o.shape
+    r = g_a.shape[-1]
+    if tuple(g_a.shape) != (bsz, t, r) or tuple(g_b.shape) != (h * v, r):
+        raise ValueError(
+            f"o_norm_gate: g_a {tuple(g_a.shape)} and g_b {tuple(g_b.shape)}, expected "
+            f"{(bsz, t, 'R')} and {(h * v, 'R')} for o {tuple(o.shape)}"
+        )
+    for name, d in (("V", v), ("R", r)):
+        if d < 16 or d & (d - 1):
+            raise ValueError(f"o_norm_gate: {name}={d} must be a power of two >= 16 (a Triton dot)")
+    if tuple(w.shape) != (v,) or tuple(keep.shape) != (bsz, t):
+        raise ValueError(
+            f"o_norm_gate: w {tuple(w.shape)} and keep {tuple(keep.shape)}, expected ({v},) and "
+            f"{(bsz, t)}"
+        )
+    if g_bias is not None and tuple(g_bias.shape) != (h * v,):
+        raise ValueError(
+            f"o_norm_gate: g_bias has shape {tuple(g_bias.shape)}, expected ({h * v},)"
+        )
+    if bsz * t == 0:
+        return jnp.zeros((bsz, t, h * v), out_dtype)
+    bt = block_t or min(64, max(16, pl.next_power_of_2(t)))
+    if bt < 16 or bt & (bt - 1):
+        raise ValueError(f"o_norm_gate: block_t={bt}: expected a power of two >= 16")
+    bias, bias_spec = (), []
+    if g_bias is not None:
+        bias, bias_spec = (g_bias,), [pl.BlockSpec((v,), lambda s, i, hh: (hh,))]
+    return pl.pallas_call(
+        functools.partial(_o_norm_gate_kernel, t=t, eps=eps),
+        out_shape=jax.ShapeDtypeStruct((bsz, t, h * v), out_dtype),
+        grid=(bsz, common.cdiv(t, bt), h),
+        in_specs=[
+            pl.BlockSpec((None, bt, None, v), lambda s, i, hh: (s, i, hh, 0)),
+            pl.BlockSpec((None, bt, r), lambda s, i, hh: (s, i, 0)),
+            pl.BlockSpec((v, r), lambda s, i, hh: (hh, 0)),
+            pl.BlockSpec((v,), lambda s, i, hh: (0,)),
+            pl.BlockSpec((None, bt), lambda s, i, hh: (s, i)),
+            *bias_spec,
+        ],
+        out_specs=pl.BlockSpec((None, bt, v), lambda s, i, hh: (s, i, hh)),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        name="kda_o_norm_gate",
+        interpret=common.resolve_interpret(interpret),
+    )(o, g_a, g_b, w, keep.astype(f32), *bias)

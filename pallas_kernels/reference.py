@@ -576,7 +576,8 @@ def prefill_core_reference(
     v: jax.Array,
     f: jax.Array,
     b: jax.Array,
-    z: jax.Array,
+    g_a: jax.Array,
+    g_b: jax.Array,
     state: jax.Array,
     lengths: jax.Array,
     a_log: jax.Array,
@@ -587,9 +588,11 @@ def prefill_core_reference(
     chunk: int,
     lower_bound: float | None,
     eps: float,
+    g_bias: jax.Array | None = None,
     out_dtype=jnp.bfloat16,
     poison: jax.Array | None = None,
     slots: jax.Array | None = None,
+    precision=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Gate, beta, chunked recurrence and gated RMSNorm over T padded tokens.
 
@@ -598,11 +601,14 @@ def prefill_core_reference(
 
     Args:
       q, k, v: [B, T, H, K] from conv_prefill (q, k L2-normalised).
-      f: [B, T, P]; b: [B, T, H]; z: [B, T, P]; state: [B, H, K, V] fp32; lengths: [B] int32.
+      f: [B, T, P]; b: [B, T, H]; state: [B, H, K, V] fp32; lengths: [B] int32.
+      g_a: [B, T, R], g_b: [P, R], g_bias: optional [P]: the output gate, whose projection
+        z = g_a g_b^T + g_bias is formed here in fp32 (the kernel path forms it in o_norm).
       poison: optional [B] int32 >= lengths: positions lengths[b] <= t < poison[b] output NaN
         (the real tokens from a row's first non-finite one on).
       slots: [B] int32 or None: state is then a pool [N, H, K, V] whose row slots[b] row b
         starts from and is written back to; a negative slot writes nothing (give it length 0).
+      precision: of z's product (None: HIGHEST).
     Returns:
       y: [B, T, P] out_dtype; new_state: [B, H, K, V] fp32 (with slots, the pool).
     """
@@ -613,7 +619,8 @@ def prefill_core_reference(
             v,
             f,
             b,
-            z,
+            g_a,
+            g_b,
             pool_rows(state, slots),
             lengths,
             a_log,
@@ -623,8 +630,10 @@ def prefill_core_reference(
             chunk=chunk,
             lower_bound=lower_bound,
             eps=eps,
+            g_bias=g_bias,
             out_dtype=out_dtype,
             poison=poison,
+            precision=precision,
         )
         return y, pool_write(state, slots, new_rows)
     t = q.shape[1]
@@ -635,6 +644,9 @@ def prefill_core_reference(
     beta = jnp.where(valid[..., None], beta, 0.0)
     o, new_state = chunk_kda_reference(q, k, v, g, beta, state, scale=scale, chunk=chunk)
     keep = common.output_keep(lengths, t, poison)
+    z = gemv_reference(
+        g_a.reshape(-1, g_a.shape[-1]), g_b, out_dtype=f32, bias=g_bias, precision=precision
+    ).reshape(*g_a.shape[:2], -1)
     return o_norm_reference(o, z, o_norm_w, eps=eps, keep=keep, out_dtype=out_dtype), new_state
 
 

@@ -30,7 +30,8 @@ B, T, H, K = 2, 37, 2, 32
 
 
 def _inputs(rng, *, b=B, t=T, h=H, kd=K, dtype=f32, decay="moderate", lengths=None, poison=True):
-    """Raw prefill-core inputs: q, k L2-normalised, v, f, b, z, state, lengths, a_log, dt_bias, w.
+    """Raw prefill-core inputs: q, k L2-normalised, v, f, b, g_a, g_b (the output gate's
+    projection, z = g_a g_b^T), state, lengths, a_log, dt_bias, w.
 
     decay: "moderate" (|g| ~ 0.1-3 per token), "weak" (|g| ~ 1e-3) or "strong" (|g| up to ~50).
     Pads (t >= lengths[b]) hold NaN in every token input when `poison`.
@@ -42,7 +43,9 @@ def _inputs(rng, *, b=B, t=T, h=H, kd=K, dtype=f32, decay="moderate", lengths=No
     v = normal(ks[2], (b, t, h, kd)).astype(dtype)
     f = normal(ks[3], (b, t, h * kd), dtype)
     beta = normal(ks[4], (b, t, h), dtype, scale=1.5)
-    z = normal(ks[5], (b, t, h * kd), dtype)
+    k_ga, k_gb = jax.random.split(ks[5])
+    g_a = normal(k_ga, (b, t, 16), dtype)
+    g_b = normal(k_gb, (h * kd, 16), dtype, scale=0.5)
     state = normal(ks[6], (b, h, kd, kd), scale=0.5)
     a_log = {"moderate": 0.0, "weak": -6.0, "strong": math.log(25.0)}[decay]
     a_log = a_log + 0.3 * normal(ks[7], (h,))
@@ -55,19 +58,19 @@ def _inputs(rng, *, b=B, t=T, h=H, kd=K, dtype=f32, decay="moderate", lengths=No
         pad = jnp.arange(t)[None, :] >= lengths[:, None]
         nan = lambda x, m: jnp.where(m, jnp.asarray(jnp.nan, x.dtype), x)  # noqa: E731
         q, k, v = (nan(x, pad[..., None, None]) for x in (q, k, v))
-        f, z = (nan(x, pad[..., None]) for x in (f, z))
+        f, g_a = (nan(x, pad[..., None]) for x in (f, g_a))
         beta = nan(beta, pad[..., None])
-    return q, k, v, f, beta, z, state, lengths, a_log, dt_bias, w
+    return q, k, v, f, beta, g_a, g_b, state, lengths, a_log, dt_bias, w
 
 
 def _prep_args(inp):
-    q, k, v, f, beta, _, _, lengths, a_log, dt_bias, _ = inp
+    q, k, v, f, beta, _, _, _, lengths, a_log, dt_bias, _ = inp
     return q, k, v, f, beta, lengths, a_log, dt_bias
 
 
 def _token_loop(inp, *, lower_bound):
     """The fp32 token-by-token recurrence with the same pad semantics, then the gated norm."""
-    q, k, v, f, beta_logits, z, state, lengths, a_log, dt_bias, w = inp
+    q, k, v, f, beta_logits, g_a, g_b, state, lengths, a_log, dt_bias, w = inp
     t, kd = q.shape[1], q.shape[-1]
     valid = jnp.arange(t)[None, :] < lengths[:, None]
     g, beta = ref.gate_reference(
@@ -77,6 +80,7 @@ def _token_loop(inp, *, lower_bound):
     q, k, v, g = (jnp.where(vm, x.astype(f32), 0.0) for x in (q, k, v, g))
     beta = jnp.where(valid[..., None], beta, 0.0)
     o, new_state, _ = ref.recurrent_reference(q, k, v, g, beta, state, scale=kd**-0.5)
+    z = jnp.einsum("btr,pr->btp", g_a.astype(f32), g_b.astype(f32), precision="highest")
     y = ref.o_norm_reference(o, z, w, eps=EPS, out_dtype=f32)
     return jnp.where(valid[..., None], y, 0.0), new_state
 
@@ -265,7 +269,7 @@ def test_prepare_inverse_vs_float64_solve(rng, lower_bound):
     diagonal kernel's forward substitution, the off-diagonal blocks from block substitution."""
     # Weak decay: unbounded exp(A_log) ~ e^-6; bounded lb sigmoid(exp(A_log) u) with A_log ~ 0
     # and u ~ -8, ~2e-3 per token.
-    q, k, v, f, beta, _, _, lengths, a_log, dt_bias, _ = _inputs(
+    q, k, v, f, beta, _, _, _, lengths, a_log, dt_bias, _ = _inputs(
         rng, b=1, t=64, decay="weak" if lower_bound is None else "moderate", poison=False
     )
     if lower_bound is not None:
@@ -317,7 +321,7 @@ def test_scan_matches_reference(rng, mm_dtype):
     inp = _inputs(rng)
     kw = dict(scale=K**-0.5, chunk=16, lower_bound=None, mm_dtype=mm_dtype)
     inter = ChunkIntermediates(*ref.chunk_prepare_reference(*_prep_args(inp), **kw))
-    state = inp[6]
+    state = inp[7]
     o, s = chunk_scan(inter, state, t=T)
     o_ref, s_ref = ref.chunk_scan_reference(*inter, state, t=T)
     assert o.shape == (B, T, H, K) and s.shape == state.shape
@@ -335,8 +339,8 @@ def test_scan_tilings_match_reference(rng, blk):
     inp = _inputs(rng)
     kw = dict(scale=K**-0.5, chunk=32, lower_bound=-5.0, mm_dtype=f32)
     inter = ChunkIntermediates(*ref.chunk_prepare_reference(*_prep_args(inp), **kw))
-    o, s = chunk_scan(inter, inp[6], t=T, out_dtype=f32, block_sizes=blk)
-    o_ref, s_ref = ref.chunk_scan_reference(*inter, inp[6], t=T)
+    o, s = chunk_scan(inter, inp[7], t=T, out_dtype=f32, block_sizes=blk)
+    o_ref, s_ref = ref.chunk_scan_reference(*inter, inp[7], t=T)
     assert_close(o, o_ref, FP32_TOL, "chunk_scan o")
     assert_close(s, s_ref, FP32_TOL, "chunk_scan state")
 
@@ -345,7 +349,7 @@ def test_scan_rejects_bad_state(rng):
     inp = _inputs(rng)
     inter = chunk_prepare(*_prep_args(inp), scale=K**-0.5, chunk=16, lower_bound=None)
     with pytest.raises(ValueError, match="state has shape"):
-        chunk_scan(inter, inp[6][:, :, :-1], t=T)
+        chunk_scan(inter, inp[7][:, :, :-1], t=T)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -365,7 +369,7 @@ def test_prefill_core_matches_reference_and_token_loop(rng, lower_bound):
     y_loop, s_loop = _token_loop(inp, lower_bound=lower_bound)
     assert_close(y, y_loop, FP32_TOL, "prefill_core y vs token loop")
     assert_close(s, s_loop, FP32_TOL, "prefill_core state vs token loop")
-    pads = jnp.arange(T)[None, :] >= inp[7][:, None]
+    pads = jnp.arange(T)[None, :] >= inp[8][:, None]
     assert bool(jnp.all(jnp.where(pads[..., None], y == 0, True))), "pad outputs must be 0"
 
 
@@ -384,18 +388,15 @@ def test_prefill_core_strong_decay_vs_token_loop(rng):
 def test_prefill_core_split_equals_whole(rng):
     """Prefill of T tokens == prefill of the first half, then of the rest from the carried state."""
     inp = _inputs(rng, b=1, lengths=[T], poison=False)
-    q, k, v, f, beta, z, state, lengths, a_log, dt_bias, w = inp
+    q, k, v, f, beta, g_a, g_b, state, lengths, a_log, dt_bias, w = inp
     kw = dict(scale=K**-0.5, chunk=16, lower_bound=None, eps=EPS, out_dtype=f32)
     y, s = prefill_core(*inp, **kw)
     cut = 21
     first = lambda x: x[:, :cut]  # noqa: E731
     rest = lambda x: x[:, cut:]  # noqa: E731
-    y1, s1 = prefill_core(
-        *map(first, (q, k, v, f, beta, z)), state, jnp.asarray([cut]), a_log, dt_bias, w, **kw
-    )
-    y2, s2 = prefill_core(
-        *map(rest, (q, k, v, f, beta, z)), s1, jnp.asarray([T - cut]), a_log, dt_bias, w, **kw
-    )
+    tail = lambda s_, n: (g_b, s_, jnp.asarray([n]), a_log, dt_bias, w)  # noqa: E731
+    y1, s1 = prefill_core(*map(first, (q, k, v, f, beta, g_a)), *tail(state, cut), **kw)
+    y2, s2 = prefill_core(*map(rest, (q, k, v, f, beta, g_a)), *tail(s1, T - cut), **kw)
     assert_close(jnp.concatenate([y1, y2], axis=1), y, FP32_TOL, "split y")
     assert_close(s2, s, FP32_TOL, "split state")
 
@@ -438,7 +439,8 @@ def test_prefill_core_lowers_for_h200(lower_bound, chunk):
         *(s((b, t, h, kd), bf16),) * 3,
         s((b, t, h * kd), bf16),
         s((b, t, h), bf16),
-        s((b, t, h * kd), bf16),
+        s((b, t, kd), bf16),
+        s((h * kd, kd), bf16),
         s((b, h, kd, kd), f32),
         s((b,), jnp.int32),
         s((h,), f32),
@@ -455,7 +457,7 @@ def test_prefill_core_lowers_for_h200(lower_bound, chunk):
         interpret=False,
     )
     text = lower_for_h200(fn, *args)
-    for name in ("kda_chunk_prepare", "kda_chunk_scan", "kda_o_norm"):
+    for name in ("kda_chunk_prepare", "kda_chunk_scan", "kda_o_norm_gate"):
         assert name in text, name
     blk = ScanBlockSizes.get_default(b, h, kd, chunk)
     launch = f'"kda_chunk_scan", num_stages = {blk.num_stages} : i32, num_warps = {blk.num_warps}'
@@ -537,7 +539,7 @@ def test_stages_fp32_on_gpu(rng, lower_bound, chunk):
     want = ChunkIntermediates(*ref.chunk_prepare_reference(*args, **kw))
     for name in ChunkIntermediates._fields:
         assert_close(getattr(got, name), getattr(want, name), FP32_TOL, name)
-    o, s = chunk_scan(want, inp[6], t=t)
-    o_ref, s_ref = ref.chunk_scan_reference(*want, inp[6], t=t)
+    o, s = chunk_scan(want, inp[7], t=t)
+    o_ref, s_ref = ref.chunk_scan_reference(*want, inp[7], t=t)
     assert_close(o, o_ref, FP32_TOL, "scan o")
     assert_close(s, s_ref, FP32_TOL, "scan state")

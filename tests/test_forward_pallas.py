@@ -41,7 +41,7 @@ def _isolated_stages(p, cfg, x2d, conv_fn, core_fn, st):
         ),
     )
     want.update(conv_fn(st["qkv_proj"]))
-    want.update(core_fn(h[:, sl["b"]]))
+    want.update(core_fn(h[:, sl["b"]], h[:, sl["g_a"]].astype(p.dtype)))  # as the kernels read it
     return want
 
 
@@ -67,7 +67,7 @@ def test_pallas_decode_and_verify_stage_by_stage(name, b, k, rng):
         shape = (b, k, cfg.heads, cfg.head_dim)
         return dict(q=q.reshape(shape), k=kk.reshape(shape), v=v.reshape(shape))
 
-    def core_fn(b_raw):
+    def core_fn(b_raw, _g_a):
         y_ref, s_ref, snaps_ref = ref.decode_core_reference(
             st["q"],
             st["k"],
@@ -145,14 +145,15 @@ def test_pallas_prefill_stage_by_stage_with_padding(name, rng):
             for i, n in enumerate("qkv")
         }
 
-    def core_fn(b_raw):
+    def core_fn(b_raw, g_a):
         y_ref, s_ref = ref.prefill_core_reference(
             st["q"],
             st["k"],
             st["v"],
             st["g_raw"],
             b_raw.reshape(b, t, cfg.heads),
-            st["out_gate"],
+            g_a.reshape(b, t, -1),
+            p.g_b,
             s0.recurrent,
             lengths,
             p.a_log,

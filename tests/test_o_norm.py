@@ -1,4 +1,5 @@
-"""o_norm kernel vs reference.o_norm_reference (interpret mode on a CPU, compiled on a GPU)."""
+"""o_norm and o_norm_gate vs reference.o_norm_reference (interpret mode on a CPU, compiled on a
+GPU)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import jax.numpy as jnp
 import pytest
 from conftest import ON_GPU, TOL, assert_close, lower_for_h200, normal
 
-from pallas_kernels.o_norm import ONormBlockSizes, o_norm
-from pallas_kernels.reference import o_norm_reference
+from pallas_kernels import common
+from pallas_kernels.o_norm import ONormBlockSizes, o_norm, o_norm_gate
+from pallas_kernels.reference import gemv_reference, o_norm_reference
 
 EPS = 1e-5
 # Odd row counts on the CPU (3 heads of 32, 2 x 3 tokens); Kimi-Linear heads on a GPU.
@@ -92,3 +94,79 @@ def test_o_norm_keep_replaces_rows(rng, block_rows):
     assert_close(got[kept], ref[kept], FP32_TOL, "kept rows")
     with pytest.raises(ValueError, match="keep has shape"):
         o_norm(o, z, w, eps=EPS, keep=jnp.ones(LEAD[-1:]))
+
+
+# o_norm_gate: z formed in the kernel. Odd T on the CPU (a tile past T), Kimi-Linear on a GPU.
+GATE_SHAPE = (2, 301, 32, 128, 128) if ON_GPU else (2, 37, 2, 32, 16)  # B, T, H, V, R
+
+
+def _gate_inputs(rng, dtype, bias):
+    b, t, h, v, r = GATE_SHAPE
+    ko, ka, kb, kw, kc = jax.random.split(rng, 5)
+    o = normal(ko, (b, t, h, v), scale=0.3)
+    g_a = normal(ka, (b, t, r), dtype)
+    g_b = normal(kb, (h * v, r), dtype, scale=0.3)
+    w = 1.0 + 0.1 * normal(kw, (v,))
+    g_bias = normal(kc, (h * v,)) if bias else None
+    return o, g_a, g_b, w, g_bias
+
+
+def _gate_reference(o, g_a, g_b, w, g_bias, keep, out_dtype):
+    b, t, r = g_a.shape
+    z = gemv_reference(g_a.reshape(b * t, r), g_b, out_dtype=jnp.float32, bias=g_bias)
+    return o_norm_reference(o, z.reshape(b, t, -1), w, eps=EPS, keep=keep, out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_o_norm_gate_matches_reference(rng, dtype, bias):
+    """Pads give 0 and the poisoned real tokens NaN whatever g_a holds there (NaN here); the
+    rest equals the norm of the fp32 product g_a g_b^T (+ bias)."""
+    o, g_a, g_b, w, g_bias = _gate_inputs(rng, dtype, bias)
+    b, t = g_a.shape[:2]
+    lengths = jnp.array([t - 5] + [t] * (b - 1), jnp.int32)
+    poison = jnp.array([t - 2] + [t] * (b - 1), jnp.int32)
+    keep = common.output_keep(lengths, t, poison)
+    g_a = g_a.at[0, t - 4].set(jnp.nan).at[0, t - 1].set(jnp.nan)
+    got = o_norm_gate(o, g_a, g_b, w, keep, eps=EPS, g_bias=g_bias, out_dtype=jnp.float32)
+    want = _gate_reference(o, g_a, g_b, w, g_bias, keep, jnp.float32)
+    assert got.shape == (b, t, o.shape[2] * o.shape[3])
+    assert bool(jnp.isnan(got[0, t - 5 : t - 2]).all()) and bool((got[0, t - 2 :] == 0).all())
+    real = jnp.arange(t)[None, :] < jnp.array([t - 5] + [t] * (b - 1))[:, None]
+    tol = FP32_TOL if dtype == jnp.float32 else TOL["bf16_stage"]
+    assert_close(got[real], want[real], tol, "o_norm_gate kept rows")
+    assert not bool(jnp.isnan(got[real]).any())
+
+
+@pytest.mark.parametrize("block_t", [16, 32])
+def test_o_norm_gate_tilings_agree(rng, block_t):
+    """A token's output does not depend on the tile that holds it."""
+    o, g_a, g_b, w, g_bias = _gate_inputs(rng, jnp.bfloat16, True)
+    keep = jnp.ones(g_a.shape[:2], jnp.float32)
+    kw = dict(eps=EPS, g_bias=g_bias, out_dtype=jnp.float32)
+    got = o_norm_gate(o, g_a, g_b, w, keep, block_t=block_t, **kw)
+    assert_close(got, o_norm_gate(o, g_a, g_b, w, keep, **kw), FP32_TOL, f"block_t={block_t}")
+
+
+def test_o_norm_gate_rejects_bad_shapes(rng):
+    o, g_a, g_b, w, _ = _gate_inputs(rng, jnp.float32, False)
+    keep = jnp.ones(g_a.shape[:2], jnp.float32)
+    with pytest.raises(ValueError, match="o_norm_gate: g_a"):
+        o_norm_gate(o, g_a, g_b[:-1], w, keep, eps=EPS)
+    with pytest.raises(ValueError, match="keep"):
+        o_norm_gate(o, g_a, g_b, w, keep[:, :-1], eps=EPS)
+    with pytest.raises(ValueError, match="g_bias has shape"):
+        o_norm_gate(o, g_a, g_b, w, keep, eps=EPS, g_bias=jnp.ones(3))
+    with pytest.raises(ValueError, match="block_t=24"):
+        o_norm_gate(o, g_a, g_b, w, keep, eps=EPS, block_t=24)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_o_norm_gate_lowers_for_h200(dtype):
+    """Kimi-Linear geometry, T = 8191 (a last tile past T), with a bias."""
+    o = jnp.ones((1, 8191, 32, 128), dtype)
+    g_a = jnp.ones((1, 8191, 128), dtype)
+    g_b = jnp.ones((4096, 128), dtype)
+    w, keep, bias = jnp.ones((128,)), jnp.ones((1, 8191)), jnp.ones((4096,))
+    fn = lambda *a: o_norm_gate(*a, eps=EPS, g_bias=bias, interpret=False)  # noqa: E731
+    assert "kda_o_norm_gate" in lower_for_h200(fn, o, g_a, g_b, w, keep)
