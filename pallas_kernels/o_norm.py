@@ -188,7 +188,7 @@ def o_norm_gate(
     g_bias: jax.Array | None = None,
     out_dtype=jnp.bfloat16,
     block_t: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = 8,
     interpret: bool | None = None,
 ) -> jax.Array:
     """`o_norm` with the output gate's projection inside: z = g_a @ g_b.T (+ g_bias) in fp32.
@@ -200,7 +200,8 @@ def o_norm_gate(
       w: [V] norm weight; keep: [B, T] fp32 as in `o_norm` (1 keeps the norm, any other value
         replaces the token's output, whatever o and g_a hold there).
       block_t: tokens per program, a power of two >= 16 (default: 64, or T rounded up to a
-        power of two when shorter); num_warps: Triton warps per program.
+        power of two when shorter); num_warps: Triton warps per program (8: faster than 4 at
+        block_t = 64 on an H100).
     Returns:
       [B, T, H*V] out_dtype.
     """

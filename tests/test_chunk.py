@@ -404,7 +404,7 @@ def test_prefill_core_split_equals_whole(rng):
 @pytest.mark.slow
 def test_chunk_kda_zero_length_keeps_state(rng):
     inp = _inputs(rng, lengths=[0, 5])
-    q, k, v, f, beta, _, state, lengths, a_log, dt_bias, _ = inp
+    q, k, v, f, beta, _, _, state, lengths, a_log, dt_bias, _ = inp
     o, s = chunk_kda(
         q,
         k,
