@@ -720,10 +720,11 @@ def prefill_core_packed_reference(
     vm = valid[:, None, None]
     q, k, v, g = (jnp.where(vm, a.astype(f32), 0.0) for a in (q, k, v, g))
     beta = jnp.where(valid[:, None], beta, 0.0)
+
     # [chunks, 1, H, C, ...]: one chunk of the stream per scan step, a batch of one.
-    to_chunks = lambda a: jnp.moveaxis(  # noqa: E731
-        a.reshape(n_chunks, chunk, *a.shape[1:]), 1, 2
-    )[:, None]
+    def to_chunks(a):
+        return jnp.moveaxis(a.reshape(n_chunks, chunk, *a.shape[1:]), 1, 2)[:, None]
+
     xs = tuple(to_chunks(a) for a in (q, k, v, g, beta))
     owner, prow = _packed_owners(seq_info, n_chunks, prefix_chunks, prefix_rows)
     init = state if slots is None else pool_rows(state, slots)
