@@ -87,7 +87,7 @@ def stages(backend: str, *, interpret: bool | None = None, precision=None) -> St
             conv_prefill=ref.conv_prefill_reference,
             decode_core=ref.decode_core_reference,
             prefill_core=bind(ref.prefill_core_reference),
-            prefill_core_packed=ref.prefill_core_packed_reference,
+            prefill_core_packed=bind(ref.prefill_core_packed_reference),
         )
     if backend == "pallas":
         from pallas_kernels.chunk import prefill_core, prefill_core_packed

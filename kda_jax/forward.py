@@ -705,7 +705,7 @@ def _prefill_packed(
     # The stream of x rows (0 where no token is), through the input projections.
     x_s = jnp.where(lay.is_token[:, None], x[lay.src], 0)
     qkv, f_a, g_a, b = _in_proj(st, params, cfg, x_s)
-    f, z = st.proj_many((f_a, g_a), (params.f_b, params.g_b), biases=(None, params.g_bias))
+    f = st.proj(f_a, params.f_b)  # the output gate's z is formed inside the core's norm
     # Each sequence's carried conv state goes in the W-1 rows before its first token, so the
     # conv restarts there by itself (a non-finite state is left out: its sequence is poisoned).
     state_at = lay.first[:, None] - (w - 1) + jnp.arange(w - 1)[None, :]  # [N, W-1]
@@ -739,7 +739,8 @@ def _prefill_packed(
         v,
         f,
         b,
-        z,
+        g_a,
+        params.g_b,
         state.recurrent,
         lay.is_token,
         info,
@@ -750,6 +751,7 @@ def _prefill_packed(
         chunk=c,
         lower_bound=cfg.gate_lower_bound,
         eps=cfg.rms_norm_eps,
+        g_bias=params.g_bias,
         out_dtype=params.dtype,
         slots=codes,
         prefix_block=prefix_block,

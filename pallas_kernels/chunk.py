@@ -285,7 +285,8 @@ def prefill_core_packed(
     v: jax.Array,
     f: jax.Array,
     b: jax.Array,
-    z: jax.Array,
+    g_a: jax.Array,
+    g_b: jax.Array,
     state: jax.Array,
     valid: jax.Array,
     seq_info: jax.Array,
@@ -297,6 +298,7 @@ def prefill_core_packed(
     chunk: int,
     lower_bound: float | None,
     eps: float,
+    g_bias: jax.Array | None = None,
     out_dtype=jnp.bfloat16,
     slots: jax.Array | None = None,
     prefix_block: int | None = None,
@@ -304,11 +306,13 @@ def prefill_core_packed(
     interpret: bool | None = None,
 ):
     """The kernel path of `reference.prefill_core_packed_reference`: rows with valid = False
-    get neutral gate and beta logits and output 0, whatever f, b and z hold there; q, k, v must
-    be finite there (the conv's output on finite inputs is).
+    get neutral gate and beta logits and output 0, whatever f, b and g_a hold there; q, k, v
+    must be finite there (the conv's output on finite inputs is). The norm forms the output
+    gate z = g_a g_b^T (+ g_bias) per tile (`o_norm_gate`), as `prefill_core`'s does.
 
     Args:
-      q, k, v: [S, H, K] from conv_prefill over the stream; f, z: [S, P]; b: [S, H];
+      q, k, v: [S, H, K] from conv_prefill over the stream; f: [S, P]; b: [S, H];
+      g_a: [S, R]; g_b: [P, R]; g_bias: optional [P];
       state, valid, seq_info, slots, prefix_block, prefix_rows: as in the reference.
     Returns:
       y: [S, P] out_dtype; new_state; prefix states [prefix_rows, H, K, V] or None (rows past
@@ -338,5 +342,15 @@ def prefill_core_packed(
         interpret=interpret,
     )
     keep = valid.astype(f32)  # o is undefined in chunks no sequence holds: replaced, not scaled
-    y = o_norm(o[0], z, o_norm_w, eps=eps, keep=keep, out_dtype=out_dtype, interpret=interpret)
-    return y, new_state, (prefix[0] if prefix else None)
+    y = o_norm_gate(
+        o,
+        one(g_a),
+        g_b,
+        o_norm_w,
+        one(keep),
+        eps=eps,
+        g_bias=g_bias,
+        out_dtype=out_dtype,
+        interpret=interpret,
+    )
+    return y[0], new_state, (prefix[0] if prefix else None)

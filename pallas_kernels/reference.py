@@ -675,7 +675,8 @@ def prefill_core_packed_reference(
     v: jax.Array,
     f: jax.Array,
     b: jax.Array,
-    z: jax.Array,
+    g_a: jax.Array,
+    g_b: jax.Array,
     state: jax.Array,
     valid: jax.Array,
     seq_info: jax.Array,
@@ -687,10 +688,12 @@ def prefill_core_packed_reference(
     chunk: int,
     lower_bound: float | None,
     eps: float,
+    g_bias: jax.Array | None = None,
     out_dtype=jnp.bfloat16,
     slots: jax.Array | None = None,
     prefix_block: int | None = None,
     prefix_rows: int = 0,
+    precision=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """`prefill_core_reference` over one stream of S rows holding Q sequences, each on a range
     of whole chunks: each sequence starts from its own state and writes its final state back.
@@ -701,7 +704,9 @@ def prefill_core_packed_reference(
     (differentiable: gradients stay within each sequence).
 
     Args:
-      q, k, v: [S, H, K] (q, k L2-normalised); f, z: [S, P]; b: [S, H]; S a multiple of C.
+      q, k, v: [S, H, K] (q, k L2-normalised); f: [S, P]; b: [S, H]; S a multiple of C.
+      g_a: [S, R], g_b: [P, R], g_bias: optional [P]: the output gate, z = g_a g_b^T + g_bias
+        formed here in fp32, as in `prefill_core_reference` (precision: of its product).
       state: [Q, H, K, V] fp32, or with slots [Q] int32 a pool read and written at slots[q]
         (a negative slot writes nothing).
       valid: [S] bool, the token rows.
@@ -747,6 +752,7 @@ def prefill_core_packed_reference(
     prow = owner if prow is None else prow
     (rows, pre), o = lax.scan(step, (rows, pre), (xs, owner, prow))
     o = jnp.moveaxis(o[:, 0], 1, 2).reshape(s_len, h, -1)  # [chunks, H, C, V] -> [S, H, V]
+    z = gemv_reference(g_a, g_b, out_dtype=f32, bias=g_bias, precision=precision)
     y = o_norm_reference(o, z, o_norm_w, eps=eps, keep=valid.astype(f32), out_dtype=out_dtype)
     new = rows[:q_]
     new_state = new if slots is None else pool_write(state, slots, new)
