@@ -2,10 +2,12 @@
 
 A server keeps every running sequence's KDA state in one preallocated pool (`KdaState` with N
 rows) and names rows by slot. Each engine step takes the prompts that arrived (at most
-`max_prompts`, padded to a bucket of `bucket` tokens, with their lengths) and one new input per
-running sequence (at most `max_decode`), resets the arrivals' slots, prefills them and decodes
-the running ones, all against the pool, which the step donates so XLA updates it in place. Rows
-with slot -1 are padding: they write nothing. The host schedules: it admits arrivals into free
+`max_prompts` of at most `bucket` tokens each, packed back to back in one buffer of
+`max_prompts * bucket` tokens with their offsets, `cu_seqlens`) and one new input per running
+sequence (at most `max_decode`), resets the arrivals' slots, prefills them (`prefill_packed`:
+the work of their tokens, not of `max_prompts` padded prompts) and decodes the running ones,
+all against the pool, which the step donates so XLA updates it in place. Rows and prompts with
+slot -1 are padding: they write nothing. The host schedules: it admits arrivals into free
 slots, retires sequences that produced their tokens and frees their slots.
 
 There is no LM head here: a sequence's next input is its last output, RMS-normalised, so the
@@ -16,8 +18,6 @@ all its inputs from a fresh state.
 
     .venv/bin/python examples/serve.py                        # tiny config, xla backend (CPU)
     python examples/serve.py --preset kimi-linear-48b         # on a GPU: pallas, bf16 weights
-
-Prompts are padded to one bucket here; packed prefill (`cu_seqlens`) is not in kda-jax yet.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ __all__ = ["EngineConfig", "Request", "make_trace", "make_step", "serve"]
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Sizes of the engine: `slots` pool rows, at most `max_prompts` arrivals per step (each at
-    most `bucket` tokens) and `max_decode` running sequences."""
+    most `bucket` tokens, packed into one buffer of max_prompts * bucket tokens) and
+    `max_decode` running sequences."""
 
     slots: int = 16
     max_prompts: int = 2
@@ -78,16 +79,16 @@ def _next_input(y: jax.Array) -> jax.Array:
 
 
 def make_step(cfg: K.KdaConfig, backend: str | None):
-    """The engine step, jitted with the pool donated:
-    (params, pool, prompts [A, P, D], lengths [A], prompt slots [A], inputs [M, D], slots [M])
-    -> (the prompts' next inputs [A, D], the running rows' next inputs [M, D], pool)."""
+    """The engine step, jitted with the pool donated: (params, pool, packed prompts [A*P, D],
+    their offsets cu_seqlens [A + 1], prompt slots [A], inputs [M, D], slots [M]) -> (the
+    prompts' next inputs [A, D], the running rows' next inputs [M, D], pool)."""
 
     @functools.partial(jax.jit, donate_argnums=1)
-    def step(params, pool, px, plen, pslots, dx, dslots):
+    def step(params, pool, px, cu, pslots, dx, dslots):
         fresh = jnp.where(pslots >= 0, pslots, pool.recurrent.shape[0])  # -1: dropped
         pool = jax.tree.map(lambda a: a.at[fresh].set(0.0, mode="drop"), pool)
-        yp, pool = K.prefill(params, cfg, px, pool, plen, slots=pslots, backend=backend)
-        last = yp[jnp.arange(px.shape[0]), jnp.maximum(plen - 1, 0)]
+        yp, pool = K.prefill_packed(params, cfg, px, cu, pool, slots=pslots, backend=backend)
+        last = yp[jnp.maximum(cu[1:] - 1, 0)]  # each prompt's last token
         yd, pool = K.decode(
             params, cfg, dx.astype(params.dtype), pool, slots=dslots, backend=backend
         )
@@ -118,15 +119,20 @@ def serve(params, cfg, eng: EngineConfig, trace: list[Request], backend=None, pr
     latencies, n_tokens, n_steps = [], 0, 0
 
     def run(pool, admits, rows):
-        px = np.zeros((a, eng.bucket, d), np.float32)
+        px = np.zeros((a * eng.bucket, d), np.float32)
         plen, pslots = np.zeros(a, np.int32), np.full(a, -1, np.int32)
+        at = 0
         for i, (slot, req) in enumerate(admits):
-            px[i], plen[i], pslots[i] = _prompt(req, cfg, eng.bucket), req.prompt_len, slot
+            n = req.prompt_len
+            px[at : at + n] = _prompt(req, cfg, eng.bucket)[:n]
+            plen[i], pslots[i] = n, slot
+            at += n
+        cu = np.concatenate([[0], np.cumsum(plen)]).astype(np.int32)
         dx, dslots = np.zeros((m, d), np.float32), np.full(m, -1, np.int32)
         for i, slot in enumerate(rows):
             dx[i], dslots[i] = running[slot]["next"], slot
         return step(
-            params, pool, jnp.asarray(px, dtype), jnp.asarray(plen), jnp.asarray(pslots),
+            params, pool, jnp.asarray(px, dtype), jnp.asarray(cu), jnp.asarray(pslots),
             jnp.asarray(dx), jnp.asarray(dslots),
         )  # fmt: skip
 

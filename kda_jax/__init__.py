@@ -1,6 +1,7 @@
 """kda-jax: the Kimi Delta Attention block for JAX.
 
-Functional core: `prefill`, `decode`, `decode_k` over (`KdaParams`, `KdaConfig`, `KdaState`);
+Functional core: `prefill`, `prefill_packed`, `decode`, `decode_k` over (`KdaParams`, `KdaConfig`,
+`KdaState`);
 Flax NNX module: `KimiDeltaAttention`; checkpoints: `load_hf_layer`; fp32 oracle:
 `oracle_forward`; many devices: `kda_jax.sharding`.
 """
@@ -9,7 +10,7 @@ __version__ = "0.1.0"  # as pyproject.toml's [project] version
 
 from kda_jax import sharding
 from kda_jax.config import PRESETS, KdaConfig, preset
-from kda_jax.forward import decode, decode_k, prefill
+from kda_jax.forward import decode, decode_k, prefill, prefill_packed
 from kda_jax.hf import (
     CheckpointError,
     load_fla_layer,
@@ -21,7 +22,7 @@ from kda_jax.hf import (
 from kda_jax.module import KimiDeltaAttention
 from kda_jax.oracle import STAGES, oracle_forward
 from kda_jax.params import NO_WEIGHT_DECAY, KdaParams, init_params, weight_decay_mask
-from kda_jax.state import KdaState, select_snapshot
+from kda_jax.state import KdaState, PrefixStates, select_snapshot
 
 __all__ = [
     "__version__",
@@ -33,8 +34,10 @@ __all__ = [
     "weight_decay_mask",
     "NO_WEIGHT_DECAY",
     "KdaState",
+    "PrefixStates",
     "select_snapshot",
     "prefill",
+    "prefill_packed",
     "decode",
     "decode_k",
     "KimiDeltaAttention",

@@ -1,8 +1,9 @@
 """The one place a backend name becomes the functions the block's forward calls.
 
-Both backends expose the same six stages with the signatures of `pallas_kernels.reference`:
+Both backends expose the same stages with the signatures of `pallas_kernels.reference`:
 `proj`, `proj_many`, `decode_front` (the decode conv with the f_b | g_b projections),
-`conv_prefill`, `decode_core`, `prefill_core`.
+`conv_prefill`, `decode_core`, `prefill_core`, and `prefill_core_packed` (packed sequences in one
+stream).
 - `xla`: the pure-jnp references (any platform; the CPU default).
 - `pallas`: the Pallas Triton kernels (the GPU default); on a machine without a GPU they run in
   interpret mode, which is slow and meant for tests. `stages("pallas", interpret=False)` gives
@@ -34,6 +35,7 @@ class Stages:
     conv_prefill: Callable
     decode_core: Callable
     prefill_core: Callable
+    prefill_core_packed: Callable
 
 
 def default_backend() -> str:
@@ -85,9 +87,10 @@ def stages(backend: str, *, interpret: bool | None = None, precision=None) -> St
             conv_prefill=ref.conv_prefill_reference,
             decode_core=ref.decode_core_reference,
             prefill_core=bind(ref.prefill_core_reference),
+            prefill_core_packed=bind(ref.prefill_core_packed_reference),
         )
     if backend == "pallas":
-        from pallas_kernels.chunk import prefill_core
+        from pallas_kernels.chunk import prefill_core, prefill_core_packed
         from pallas_kernels.conv import conv_prefill
         from pallas_kernels.front import decode_front
         from pallas_kernels.gemv import proj, proj_many
@@ -103,5 +106,6 @@ def stages(backend: str, *, interpret: bool | None = None, precision=None) -> St
             conv_prefill=bind(conv_prefill),
             decode_core=bind(decode_core),
             prefill_core=bind(prefill_core),
+            prefill_core_packed=bind(prefill_core_packed),
         )
     raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")

@@ -8,23 +8,29 @@ one runs.
 Every entry point takes `slots`: `state` is then a pool of N sequences and row b of the batch
 reads and writes pool row `slots[b]` (the pallas kernels in place, the xla backend by gather and
 scatter); the whole pool comes back with only those rows changed. Slot -1 marks a padding row.
+
+`prefill_packed` takes N sequences back to back in one stream of T tokens (`cu_seqlens`) and
+lays them out chunk-aligned in one longer stream (`_packed_layout`), so the prefill's kernels
+run over it as over one sequence.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from kda_jax import backends
 from kda_jax.config import KdaConfig
 from kda_jax.params import KdaParams, in_proj_slices
-from kda_jax.state import KdaState, concrete
+from kda_jax.state import KdaState, PrefixStates, concrete
 from pallas_kernels import reference as ref
 
-__all__ = ["prefill", "decode", "decode_k"]
+__all__ = ["prefill", "prefill_packed", "decode", "decode_k"]
 
 _STATIC = ("cfg", "backend", "interpret", "return_stages", "precision")
 # Batches up to this many rows find repeated slots by comparing every pair (one fusion); larger
@@ -526,3 +532,343 @@ def _prefill_rows(
         z = shape(z)
         stages = dict(qkv_proj=qkv, q=q, k=k, v=v, g_raw=f, out_gate=z, o_norm_out=y, final_out=out)
     return out, rec, conv_state, stages
+
+
+# --------------------------------------------------------------------------------------------
+# Packed variable-length prefill
+# --------------------------------------------------------------------------------------------
+_PACKED_STATIC = ("cfg", "backend", "interpret", "precision", "prefix_block")
+
+
+def prefill_packed(
+    params: KdaParams,
+    cfg: KdaConfig,
+    x: jax.Array,
+    cu_seqlens: jax.Array,
+    state: KdaState,
+    *,
+    slots: jax.Array | None = None,
+    prefix_block: int | None = None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+    precision=None,
+):
+    """Prefill of N sequences packed back to back in one stream (FLA's `cu_seqlens`).
+
+    Sequence i is x[cu_seqlens[i]:cu_seqlens[i + 1]]; it starts from its own state and its final
+    state is written back; the conv and the recurrence restart at every boundary, and gradients
+    (xla backend) stay within each sequence. No sequence is padded to the longest: the work is
+    that of T tokens plus at most one chunk and W-1 rows per sequence. One compilation serves
+    every cu_seqlens for a given T and N.
+
+    Args:
+      x: [T, D]; T is static.
+      cu_seqlens: [N + 1] int (traced), 0 = cu[0] <= cu[1] <= ... <= cu[N] <= T. Tokens from
+        cu[N] on are padding: they touch nothing and output 0, whatever they hold. Concrete
+        values are checked before any work; under jit they cannot be, and are clipped to
+        [0, T] and made non-decreasing (a running maximum); tokens before cu[0] are then
+        padding too.
+      state: KdaState for the N sequences (row i for sequence i), or with `slots` a pool.
+      slots: [N] int (traced) or None: sequence i starts from pool slot slots[i] and its new
+        state is written there (the chunk scan reads and writes the recurrent pool in place).
+        Slot -1 marks a padding sequence: its tokens output 0 and nothing is written; slots
+        are checked as in `prefill` (under jit a refused sequence outputs NaN, writes nothing).
+      prefix_block: None, or a positive multiple of cfg.chunk (static): also return the state
+        after every prefix_block tokens of each sequence (`PrefixStates`).
+      backend, interpret, precision: as in `prefill`.
+    Returns:
+      (y [T, D] in the weights' dtype, new state), plus the `PrefixStates` with prefix_block.
+
+    Non-finite inputs poison their own sequence only, as in `prefill`: from a sequence's first
+    non-finite token on its outputs are NaN, and so is its new state; a non-finite carried conv
+    state makes all of its outputs NaN. The carried conv state enters the stream in the
+    activations' dtype (exact for states this block wrote, whose rows are past projections).
+    """
+    _check_cfg(cfg, "prefill_packed")
+    shape = np.shape(x)
+    cu_seqlens = _check_cu_seqlens(cu_seqlens, shape[0] if len(shape) == 2 else None)
+    n = cu_seqlens.shape[0] - 1
+    slots = _check_slots(slots, n, state, "prefill_packed")
+    prefix_block = _check_prefix_block(prefix_block, cfg)
+    return _prefill_packed(
+        params,
+        cfg,
+        x,
+        cu_seqlens,
+        state,
+        slots,
+        backend=backend,
+        interpret=interpret,
+        precision=precision,
+        prefix_block=prefix_block,
+    )
+
+
+def _check_cu_seqlens(cu, t: int | None) -> jax.Array:
+    """cu_seqlens as [N + 1] int32; concrete values must start at 0, never decrease and end at
+    or before T."""
+    cu = jnp.asarray(cu)
+    if cu.ndim != 1 or cu.shape[0] < 1 or not jnp.issubdtype(cu.dtype, jnp.integer):
+        raise ValueError(
+            f"prefill_packed: cu_seqlens has shape {cu.shape} and dtype {cu.dtype}, expected "
+            "[N + 1] integers (the offsets of N >= 0 sequences)"
+        )
+    vals = concrete(cu)  # None under jit: clipped and made non-decreasing in _packed_tokens
+    if vals is not None:
+        if vals[0] != 0:
+            raise ValueError(f"prefill_packed: cu_seqlens starts at {vals[0]}, expected 0")
+        drop = np.flatnonzero(np.diff(vals) < 0)
+        if drop.size:
+            i = int(drop[0])
+            raise ValueError(
+                f"prefill_packed: cu_seqlens decreases at index {i + 1} ({vals[i]} -> "
+                f"{vals[i + 1]}), expected non-decreasing offsets"
+            )
+        if t is not None and vals[-1] > t:
+            raise ValueError(
+                f"prefill_packed: cu_seqlens ends at {vals[-1]}, past the T={t} tokens of x"
+            )
+    return cu.astype(jnp.int32)
+
+
+def _check_prefix_block(prefix_block, cfg: KdaConfig) -> int | None:
+    """None, or a positive multiple of the chunk: prefix states are states between chunks."""
+    if prefix_block is None:
+        return None
+    ok = isinstance(prefix_block, int | np.integer) and not isinstance(prefix_block, bool)
+    if not ok or prefix_block <= 0 or prefix_block % cfg.chunk:
+        raise ValueError(
+            f"prefill_packed: prefix_block={prefix_block!r}, expected None or a positive "
+            f"multiple of chunk={cfg.chunk} (prefix states are taken between chunks)"
+        )
+    return int(prefix_block)
+
+
+def _check_packed_inputs(params, cfg: KdaConfig, x, state, n: int, pooled: bool) -> None:
+    """`_check_inputs` for a packed stream: x [T, D], a state for N sequences or a pool."""
+    if not isinstance(params, KdaParams):
+        raise TypeError(
+            f"prefill_packed: params is a {type(params).__name__}, expected a KdaParams"
+        )
+    params.check(cfg)
+    if not isinstance(state, KdaState):
+        raise TypeError(f"prefill_packed: state is a {type(state).__name__}, expected a KdaState")
+    if x.ndim != 2 or x.shape[-1] != cfg.hidden:
+        raise ValueError(
+            f"prefill_packed: x has shape {tuple(x.shape)}, expected [T, D] with D = hidden = "
+            f"{cfg.hidden}"
+        )
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"prefill_packed: x has dtype {x.dtype}, expected a floating dtype")
+    if pooled:
+        rows = np.shape(state.recurrent)[0] if np.ndim(state.recurrent) else 0
+        if rows < 1:
+            raise ValueError(
+                f"prefill_packed: the state pool has shape {np.shape(state.recurrent)}, "
+                "expected [N, H, K, V] with N >= 1 slots"
+            )
+        state.check(cfg, rows)
+    else:
+        state.check(cfg, n)
+
+
+def packed_rows(t: int, n: int, cfg: KdaConfig) -> int:
+    """Rows of the chunk-aligned stream that T tokens of N sequences are laid out in: a leading
+    chunk, then per sequence its tokens and at least W-1 more rows, rounded up to chunks."""
+    c, w = cfg.chunk, cfg.conv_kernel
+    return c * -(-(c + t + n * (c + w - 2)) // c)
+
+
+@functools.partial(jax.jit, static_argnames=_PACKED_STATIC)
+def _prefill_packed(
+    params, cfg, x, cu, state, slots, *, backend, interpret, precision, prefix_block
+):
+    n = cu.shape[0] - 1
+    _check_packed_inputs(params, cfg, x, state, n, slots is not None)
+    backend = backends.resolve(backend)
+    _check_backend(backend, "prefill_packed")
+    t = x.shape[0]
+    m_rows = t // prefix_block if prefix_block else 0
+    if n == 0 or t == 0:  # no token: every state as given
+        out = jnp.zeros((t, cfg.hidden), params.dtype)
+        if not prefix_block:
+            return out, state
+        return out, state, _empty_prefix(cfg, n, m_rows)
+    if backend == "pallas":
+        params, x, state = _refuse_grad((params, x, state))
+    codes = None if slots is None else _slot_codes(slots, state.recurrent.shape[0])
+    conv_rows = state.conv if codes is None else ref.pool_rows(state.conv, codes)
+    tok = _packed_tokens(x, cu, conv_rows, codes, prefix_block)
+    lay = _packed_layout(tok, t, cfg)
+    st = backends.stages(backend, interpret=interpret, precision=precision)
+    c, w = cfg.chunk, cfg.conv_kernel
+    # The stream of x rows (0 where no token is), through the input projections.
+    x_s = jnp.where(lay.is_token[:, None], x[lay.src], 0)
+    qkv, f_a, g_a, b = _in_proj(st, params, cfg, x_s)
+    f = st.proj(f_a, params.f_b)  # the output gate's z is formed inside the core's norm
+    # Each sequence's carried conv state goes in the W-1 rows before its first token, so the
+    # conv restarts there by itself (a non-finite state is left out: its sequence is poisoned).
+    state_at = lay.first[:, None] - (w - 1) + jnp.arange(w - 1)[None, :]  # [N, W-1]
+    fill = jnp.where(tok.bad_conv[:, None, None], 0.0, conv_rows).astype(qkv.dtype)
+    qkv = qkv.at[state_at.reshape(-1)].set(fill.reshape(-1, cfg.conv_dim))
+    s_rows = qkv.shape[0]
+    conv_out, _ = st.conv_prefill(
+        qkv[None],
+        jnp.zeros((1, w - 1, cfg.conv_dim), jnp.float32),
+        params.conv_w,
+        jnp.full((1,), s_rows, jnp.int32),
+        qk_channels=cfg.qk_channels,
+        head_dim=cfg.head_dim,
+        l2_eps=cfg.l2_eps,
+        splits=(cfg.qkv_dim,) * 3,
+    )
+    q, k, v = (_heads(cfg, a[0]) for a in conv_out)
+    pb = prefix_block or c
+    info = jnp.stack(
+        [
+            lay.first // c,
+            lay.first // c + -(-tok.ok // c),
+            tok.prefix_cu[:-1],
+            tok.ok // pb if prefix_block else jnp.zeros_like(tok.ok),
+        ],
+        axis=1,
+    )
+    y, rec, prefix_rec = st.prefill_core_packed(
+        q,
+        k,
+        v,
+        f,
+        b,
+        g_a,
+        params.g_b,
+        state.recurrent,
+        lay.is_token,
+        info,
+        params.a_log,
+        params.dt_bias,
+        params.o_norm_w,
+        scale=cfg.scale,
+        chunk=c,
+        lower_bound=cfg.gate_lower_bound,
+        eps=cfg.rms_norm_eps,
+        g_bias=params.g_bias,
+        out_dtype=params.dtype,
+        slots=codes,
+        prefix_block=prefix_block,
+        prefix_rows=m_rows,
+    )
+    out_s = st.proj(y, params.o_proj)  # [S, D]
+    at = jnp.where(tok.used, lay.first[tok.seq] + tok.rel, 0)
+    out = jnp.where(tok.used[:, None], out_s[at], 0)
+    out = jnp.where((tok.real & ~tok.used)[:, None], jnp.nan, out)
+    # Each sequence's new conv state: the last W-1 rows of [its carried state | its tokens].
+    back = tok.ok[:, None] - (w - 1) + jnp.arange(w - 1)[None, :]  # [N, W-1], from the start
+    old = jnp.take_along_axis(conv_rows, jnp.clip(back + w - 1, 0, w - 2)[..., None], axis=1)
+    new_conv = jnp.where(
+        (back >= 0)[..., None], qkv[lay.first[:, None] + back].astype(jnp.float32), old
+    )
+
+    def nan_rows(a):
+        return jnp.where(tok.poisoned.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.nan, a)
+
+    if codes is None:
+        new_state = KdaState(recurrent=nan_rows(rec), conv=nan_rows(new_conv))
+    else:  # only the poisoned sequences' slots are written (a scatter; the pool stays in place)
+        at_pool = jnp.where(tok.poisoned & (codes >= 0), codes, rec.shape[0])
+        rec = rec.at[at_pool].set(jnp.nan, mode="drop")
+        new_state = KdaState(
+            recurrent=rec, conv=ref.pool_write(state.conv, codes, nan_rows(new_conv))
+        )
+    if not prefix_block:
+        return out, new_state
+    return out, new_state, _prefix_states(cfg, tok, lay, prefix_rec, qkv, prefix_block, m_rows)
+
+
+class _PackedTokens(NamedTuple):
+    """Per token of x [T] and per sequence [N]: where each token belongs and which ones run."""
+
+    start: jax.Array  # [N] each sequence's first token in x
+    seq: jax.Array  # [T] the sequence a token falls in (clipped to [0, N))
+    rel: jax.Array  # [T] its position in that sequence
+    real: jax.Array  # [T] a token of a sequence (not padding)
+    used: jax.Array  # [T] a real token the block reads (before its sequence's first bad one)
+    ok: jax.Array  # [N] tokens read per sequence
+    poisoned: jax.Array  # [N] a real token (or the carried conv state) was non-finite
+    bad_conv: jax.Array  # [N] the carried conv state holds a non-finite value
+    prefix_cu: jax.Array  # [N + 1] offsets of each sequence's prefix states
+
+
+def _packed_tokens(x, cu, conv_rows, codes, prefix_block=None) -> _PackedTokens:
+    t = x.shape[0]
+    n = cu.shape[0] - 1
+    cu = lax.cummax(jnp.clip(cu, 0, t))  # concrete offsets were checked; traced ones made safe
+    lengths = cu[1:] - cu[:-1]
+    if codes is not None:  # a padding sequence has no real token
+        lengths = jnp.where(codes == -1, 0, lengths)
+    pos = jnp.arange(t)
+    seq = jnp.clip(jnp.searchsorted(cu[1:], pos, side="right"), 0, n - 1)
+    rel = pos - cu[seq]
+    real = (rel >= 0) & (rel < lengths[seq])
+    bad = real & ~jnp.isfinite(x).all(-1)
+    first_bad = jax.ops.segment_min(jnp.where(bad, rel, t), seq, num_segments=n)
+    bad_conv = ~jnp.isfinite(conv_rows).all((1, 2))
+    ok = jnp.minimum(lengths, jnp.where(bad_conv, 0, first_bad))
+    if codes is not None:  # a refused sequence reads nothing and outputs NaN
+        ok = jnp.where(codes < 0, 0, ok)
+    used = real & (rel < ok[seq])
+    counts = lengths // prefix_block if prefix_block else jnp.zeros_like(lengths)
+    prefix_cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts)])
+    return _PackedTokens(cu[:-1], seq, rel, real, used, ok, ok < lengths, bad_conv, prefix_cu)
+
+
+class _PackedLayout(NamedTuple):
+    """The chunk-aligned stream of `packed_rows(T, N)` rows: a leading chunk, then per sequence
+    [its tokens | pad | the next sequence's W-1 conv state rows], a whole number of chunks of
+    at least ok + W-1 rows. Every sequence's first token starts a chunk."""
+
+    first: jax.Array  # [N] the stream row of each sequence's first token
+    is_token: jax.Array  # [S] the row holds a token the block reads
+    src: jax.Array  # [S] that token's index in x (0 where none)
+
+
+def _packed_layout(tok: _PackedTokens, t: int, cfg: KdaConfig) -> _PackedLayout:
+    c, w = cfg.chunk, cfg.conv_kernel
+    ok = tok.ok
+    n = ok.shape[0]
+    s_rows = packed_rows(t, n, cfg)
+    span = c * -(-(ok + w - 1) // c)  # >= C: room for the next sequence's conv state rows
+    first = c + jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(span)[:-1]])
+    row = jnp.arange(s_rows)
+    owner = jnp.searchsorted(first, row, side="right") - 1  # -1 in the leading chunk
+    o = jnp.clip(owner, 0, n - 1)
+    rel = row - first[o]
+    is_token = (owner >= 0) & (rel < ok[o])
+    return _PackedLayout(first, is_token, jnp.where(is_token, tok.start[o] + rel, 0))
+
+
+def _empty_prefix(cfg: KdaConfig, n: int, m_rows: int) -> PrefixStates:
+    """No token: M zero rows (M = T // prefix_block), no sequence holding any."""
+    return PrefixStates(states=KdaState.zeros(cfg, m_rows), cu=jnp.zeros((n + 1,), jnp.int32))
+
+
+def _prefix_states(cfg, tok, lay, rec, qkv, block: int, m_rows: int) -> PrefixStates:
+    """The prefix rows: the scan's recurrent states (written where a sequence read that many
+    tokens) and the conv states gathered from the stream; NaN at or past a sequence's first
+    non-finite token, zero past the last sequence's rows."""
+    w = cfg.conv_kernel
+    n = tok.ok.shape[0]
+    if m_rows == 0:
+        return _empty_prefix(cfg, n, 0)
+    m = jnp.arange(m_rows)
+    seq = jnp.clip(jnp.searchsorted(tok.prefix_cu[1:], m, side="right"), 0, n - 1)
+    ends = (m - tok.prefix_cu[seq] + 1) * block  # tokens of the sequence before this state
+    held = m < tok.prefix_cu[-1]
+    read = held & (ends <= tok.ok[seq])
+    at = lay.first[seq][:, None] + ends[:, None] - (w - 1) + jnp.arange(w - 1)[None, :]
+    conv = qkv[jnp.where(read[:, None], at, 0)].astype(jnp.float32)  # [M, W-1, conv_dim]
+
+    def select(a):
+        r = lambda mask: mask.reshape((-1,) + (1,) * (a.ndim - 1))  # noqa: E731
+        return jnp.where(r(read), a, jnp.where(r(held), jnp.nan, 0.0))
+
+    return PrefixStates(states=KdaState(recurrent=select(rec), conv=select(conv)), cu=tok.prefix_cu)

@@ -129,6 +129,23 @@ class KimiDeltaAttention(nnx.Module):
             self.params().astype(self.dtype), self.cfg, x, state, lengths, **self._opts(slots)
         )
 
+    def prefill_packed(
+        self,
+        x: jax.Array,
+        cu_seqlens: jax.Array,
+        state: KdaState,
+        *,
+        slots: jax.Array | None = None,
+        prefix_block: int | None = None,
+    ):
+        """x [T, D] holding N sequences back to back at offsets cu_seqlens [N + 1] -> (y [T, D],
+        new state), plus the `PrefixStates` with prefix_block. With slots [N], `state` is a pool
+        and sequence i works on slot slots[i]. See forward.prefill_packed."""
+        p = self.params().astype(self.dtype)
+        return forward.prefill_packed(
+            p, self.cfg, x, cu_seqlens, state, prefix_block=prefix_block, **self._opts(slots)
+        )
+
     def decode(
         self, x: jax.Array, state: KdaState, *, slots: jax.Array | None = None
     ) -> tuple[jax.Array, KdaState]:

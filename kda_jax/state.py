@@ -11,7 +11,7 @@ from flax import struct
 
 from kda_jax.config import KdaConfig
 
-__all__ = ["KdaState", "select_snapshot"]
+__all__ = ["KdaState", "PrefixStates", "select_snapshot"]
 
 
 @struct.dataclass
@@ -51,6 +51,25 @@ class KdaState:
                 raise ValueError(f"state.{name} has shape {tuple(arr.shape)}, expected {shape}")
             if arr.dtype != jnp.float32:
                 raise ValueError(f"state.{name} has dtype {arr.dtype}, expected float32")
+
+
+@struct.dataclass
+class PrefixStates:
+    """The states `prefill_packed(..., prefix_block=b)` saw at every b tokens of each sequence,
+    for prefix caching, packed like the tokens: sequence i's j-th entry (the state after its
+    first (j + 1) * b tokens, j < L_i // b) is row `cu[i] + j` of `states`.
+
+    Attributes:
+      states: KdaState whose leaves carry M = T // b rows ([M, H, K, V] and [M, W-1, conv_dim]):
+        each row is a full state, so a sequence resumes from row m as from a state of one
+        sequence (`jax.tree.map(lambda a: a[m:m + 1], states)`). Rows from cu[N] on are zero;
+        rows at or past a sequence's first non-finite token are NaN, as its new state is.
+      cu: [N + 1] int32, the offsets of each sequence's rows: cu[i + 1] - cu[i] = L_i // b
+        (0 for a padding sequence, slot -1).
+    """
+
+    states: KdaState
+    cu: jax.Array
 
 
 def as_count(value, name: str) -> int:

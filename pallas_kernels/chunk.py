@@ -10,6 +10,12 @@ default tiling here; the stages' own functions take a `block_sizes` to try other
 `chunk_kda` is the core without the norm (what FLA's `chunk_kda` computes once q, k are
 normalised); `prefill_core` is the block's stage, with the signature and semantics of
 `reference.prefill_core_reference`.
+
+Packed sequences (`chunk_kda_packed`, `prefill_core_packed`) run the same kernels over one
+stream (B = 1) in which each sequence occupies whole chunks: chunk_prepare is unchanged and sees
+one long sequence, whose rows outside the sequences' tokens are made neutral through their gate
+and beta logits (-inf gives g = 0 and beta = 0 exactly, for both gates); chunk_scan runs one
+program per sequence over its own chunks (`seq_info`).
 """
 
 from __future__ import annotations
@@ -24,9 +30,12 @@ from pallas_kernels.chunk_prepare import chunk_prepare
 from pallas_kernels.chunk_scan import chunk_scan
 from pallas_kernels.o_norm import o_norm_gate
 
-__all__ = ["chunk_kda", "prefill_core"]
+__all__ = ["chunk_kda", "chunk_kda_packed", "prefill_core", "prefill_core_packed"]
 
 f32 = jnp.float32
+# The gate and beta logit of a neutral row: gate_math gives g = -0 (decay 1) for both gates and
+# beta_math gives beta = 0, exactly, so the row leaves the state alone.
+NEUTRAL_LOGIT = -jnp.inf
 
 
 def matmul_dtype(out_dtype) -> jnp.dtype:
@@ -171,3 +180,177 @@ def prefill_core(
         interpret=interpret,
     )
     return y, new_state
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "chunk",
+        "lower_bound",
+        "mm_dtype",
+        "o_dtype",
+        "l2_eps",
+        "prefix_chunks",
+        "prefix_rows",
+        "interpret",
+    ),
+)
+def chunk_kda_packed(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    f: jax.Array,
+    b: jax.Array,
+    state: jax.Array,
+    seq_info: jax.Array,
+    a_log: jax.Array,
+    dt_bias: jax.Array,
+    *,
+    scale: float,
+    chunk: int,
+    lower_bound: float | None,
+    mm_dtype=jnp.bfloat16,
+    o_dtype=f32,
+    l2_eps: float | None = None,
+    slots: jax.Array | None = None,
+    prefix_chunks: int = 0,
+    prefix_rows: int = 0,
+    interpret: bool | None = None,
+):
+    """`chunk_kda` over one stream holding Q sequences, each on its own range of whole chunks.
+
+    Args:
+      q, k, v: [1, S, H, K] (S a multiple of C); f: [1, S, H*K]; b: [1, S, H]. Rows inside a
+        sequence's chunks but past its tokens must be neutral: f = b = NEUTRAL_LOGIT (-inf)
+        and q, k, v finite. Rows in no sequence's chunks are never read by the state pass.
+      state: [Q, H, K, V] fp32, or with slots [Q] int32 a pool read and written in place at
+        slots[q] (a negative slot writes nothing).
+      seq_info: [Q, 4] int32 per sequence: (first chunk, end chunk, first prefix row, prefix
+        rows), as `chunk_scan` takes it.
+      prefix_chunks, prefix_rows: as in `chunk_scan` (0: no prefix states).
+      The other arguments as in `chunk_kda`.
+    Returns:
+      o: [1, S, H, V] o_dtype (rows in no sequence's chunks undefined); new_state; with
+      prefix_chunks, the prefix states [prefix_rows, H, K, V] (rows not written undefined).
+    """
+    s_len = q.shape[1]
+    if s_len % chunk:
+        raise ValueError(f"chunk_kda_packed: S={s_len} rows, expected a multiple of C={chunk}")
+    inter = chunk_prepare(
+        q,
+        k,
+        v,
+        f,
+        b,
+        jnp.full((1,), s_len, jnp.int32),
+        a_log,
+        dt_bias,
+        scale=scale,
+        chunk=chunk,
+        lower_bound=lower_bound,
+        mm_dtype=mm_dtype,
+        l2_eps=l2_eps,
+        interpret=interpret,
+    )
+    return chunk_scan(
+        inter,
+        state,
+        slots,
+        t=s_len,
+        out_dtype=o_dtype,
+        seq_info=seq_info,
+        prefix_chunks=prefix_chunks,
+        prefix_rows=prefix_rows,
+        interpret=interpret,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "chunk",
+        "lower_bound",
+        "eps",
+        "out_dtype",
+        "prefix_block",
+        "prefix_rows",
+        "interpret",
+    ),
+)
+def prefill_core_packed(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    f: jax.Array,
+    b: jax.Array,
+    g_a: jax.Array,
+    g_b: jax.Array,
+    state: jax.Array,
+    valid: jax.Array,
+    seq_info: jax.Array,
+    a_log: jax.Array,
+    dt_bias: jax.Array,
+    o_norm_w: jax.Array,
+    *,
+    scale: float,
+    chunk: int,
+    lower_bound: float | None,
+    eps: float,
+    g_bias: jax.Array | None = None,
+    out_dtype=jnp.bfloat16,
+    slots: jax.Array | None = None,
+    prefix_block: int | None = None,
+    prefix_rows: int = 0,
+    interpret: bool | None = None,
+):
+    """The kernel path of `reference.prefill_core_packed_reference`: rows with valid = False
+    get neutral gate and beta logits and output 0, whatever f, b and g_a hold there; q, k, v
+    must be finite there (the conv's output on finite inputs is). The norm forms the output
+    gate z = g_a g_b^T (+ g_bias) per tile (`o_norm_gate`), as `prefill_core`'s does.
+
+    Args:
+      q, k, v: [S, H, K] from conv_prefill over the stream; f: [S, P]; b: [S, H];
+      g_a: [S, R]; g_b: [P, R]; g_bias: optional [P];
+      state, valid, seq_info, slots, prefix_block, prefix_rows: as in the reference.
+    Returns:
+      y: [S, P] out_dtype; new_state; prefix states [prefix_rows, H, K, V] or None (rows past
+      the sequences' own undefined: the caller selects).
+    """
+    one = lambda a: a[None]  # noqa: E731 - the stream as a batch of one
+    neutral = lambda a: jnp.where(valid[:, None], a, jnp.asarray(NEUTRAL_LOGIT, a.dtype))  # noqa: E731
+    mm = matmul_dtype(out_dtype)
+    o, new_state, *prefix = chunk_kda_packed(
+        one(q),
+        one(k),
+        one(v),
+        one(neutral(f)),
+        one(neutral(b)),
+        state,
+        seq_info,
+        a_log,
+        dt_bias,
+        scale=scale,
+        chunk=chunk,
+        lower_bound=lower_bound,
+        mm_dtype=mm,
+        o_dtype=mm,
+        slots=slots,
+        prefix_chunks=prefix_block // chunk if prefix_rows else 0,
+        prefix_rows=prefix_rows,
+        interpret=interpret,
+    )
+    keep = valid.astype(f32)  # o is undefined in chunks no sequence holds: replaced, not scaled
+    y = o_norm_gate(
+        o,
+        one(g_a),
+        g_b,
+        o_norm_w,
+        one(keep),
+        eps=eps,
+        g_bias=g_bias,
+        out_dtype=out_dtype,
+        interpret=interpret,
+    )
+    return y[0], new_state, (prefix[0] if prefix else None)

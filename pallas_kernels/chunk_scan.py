@@ -14,6 +14,12 @@ fp32: on weakly decaying heads at long T these two cut the output error by about
 Pads need no mask here:
 `chunk_prepare` made them neutral (zero rows of w, u, qg, kg and A). With `slots` the initial
 and final states live in a pool [S, H, K, V] read and written at each row's slot (in place).
+
+Packed (`seq_info`): one stream (B = 1) holds N sequences, each over a contiguous range of
+whole chunks. One program per (sequence, head, V tile) walks its sequence's chunks only,
+starting from that sequence's state and writing its final state back; optionally it also writes
+the state after every `prefix_chunks` chunks (prefix states). Chunks outside every range are
+not read.
 """
 
 from __future__ import annotations
@@ -80,17 +86,26 @@ def _chunk_scan_kernel(
     a_ref,  # [N*C, C]
     gl_ref,  # [N, K] fp32
     s_ref,  # [K, BV] fp32; pooled: the whole pool [S, H, K, V]
-    *refs,  # pooled: slot [1]; o [N*C, BV]; new state [K, BV] fp32 (pooled: the pool, aliased)
+    *refs,  # pooled: slot [1]; packed: info [4]; o [N*C, BV]; new state [K, BV] fp32 (pooled:
+    # the pool, aliased); packed with prefix_chunks: prefix states [M, H, K, V] fp32
     chunk: int,
     pooled: bool,
+    packed: bool = False,
+    prefix_chunks: int = 0,
 ):
     """One (sequence, head, V tile): the chunks in order, the state tile in registers. Pooled,
     the state tile is pool[slot, h, :, tile j], read and written back in place; a negative slot
-    reads slot 0 (in bounds) and writes nothing."""
-    slot_ref, o_ref, s_out_ref = refs if pooled else (None, *refs)
+    reads slot 0 (in bounds) and writes nothing. Packed, the sequence's chunks are
+    info = (first chunk, end chunk, first prefix row, prefix rows) of the stream; with
+    `prefix_chunks` the state after every prefix_chunks of them goes to the next prefix row,
+    as long as rows remain."""
+    refs = list(refs)
+    slot_ref = refs.pop(0) if pooled else None
+    info_ref = refs.pop(0) if packed else None
+    o_ref, s_out_ref, *p_refs = refs
     tile = (Ellipsis,)
+    bv = o_ref.shape[-1]
     if pooled:
-        bv = o_ref.shape[-1]
         slot = slot_ref[0]
         tile = (
             jnp.maximum(slot, 0),
@@ -98,8 +113,11 @@ def _chunk_scan_kernel(
             slice(None),
             pl.ds(pl.program_id(2) * bv, bv),
         )
+    if prefix_chunks:  # read here: interpret mode cannot see program_id inside pl.when
+        hh, jj = pl.program_id(1), pl.program_id(2)
     mm = qg_ref.dtype
     n_chunks = gl_ref.shape[0]
+    lo, hi = (info_ref[0], info_ref[1]) if packed else (0, n_chunks)
     nt = (((1,), (1,)), ((), ()))  # x @ y.T
     tn = (((0,), (0,)), ((), ()))  # x.T @ y
 
@@ -120,9 +138,17 @@ def _chunk_scan_kernel(
             o += jnp.dot(a, d, preferred_element_type=f32)
             s_t += lax.dot_general(d, kg, tn, preferred_element_type=f32)
         o_ref[rows, :] = o.astype(o_ref.dtype)
+        if prefix_chunks:
+            done = n + 1 - lo  # chunks of the sequence through this one
+            row = done // prefix_chunks - 1
+
+            @pl.when((done % prefix_chunks == 0) & (row < info_ref[3]))
+            def _():
+                p_refs[0][info_ref[2] + row, hh, :, pl.ds(jj * bv, bv)] = s_t.T
+
         return s_t
 
-    s_t = lax.fori_loop(0, n_chunks, step, s_ref[tile].astype(f32).T)
+    s_t = lax.fori_loop(lo, hi, step, s_ref[tile].astype(f32).T)
     if pooled:
 
         @pl.when(slot >= 0)
@@ -133,7 +159,10 @@ def _chunk_scan_kernel(
         s_out_ref[...] = s_t.T
 
 
-@functools.partial(jax.jit, static_argnames=("t", "out_dtype", "block_sizes", "interpret"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("t", "out_dtype", "block_sizes", "prefix_chunks", "prefix_rows", "interpret"),
+)
 def chunk_scan(
     inter: ChunkIntermediates,
     state: jax.Array,
@@ -142,8 +171,11 @@ def chunk_scan(
     t: int,
     out_dtype=f32,
     block_sizes: ScanBlockSizes | None = None,
+    seq_info: jax.Array | None = None,
+    prefix_chunks: int = 0,
+    prefix_rows: int = 0,
     interpret: bool | None = None,
-) -> tuple[jax.Array, jax.Array]:
+):
     """The chunk-by-chunk state pass over `chunk_prepare`'s intermediates.
 
     Args:
@@ -156,63 +188,103 @@ def chunk_scan(
       t: T, the number of token rows of o (T <= N*C; rows past T are dropped).
       out_dtype: dtype of o.
       block_sizes: tiling (default `ScanBlockSizes.get_default(B, H, V, C)`).
+      seq_info: packed mode: [Q, 4] int32 for Q sequences in one stream (B = 1), per sequence
+        (first chunk, end chunk, first prefix row, prefix rows): its chunks [first, end) of
+        the stream, disjoint between sequences. Sequence q starts from state[q] (state
+        [Q, H, K, V], or pool[slots[q]] with slots [Q]) and its final state is written there;
+        rows of o in no sequence's chunks are left unwritten (undefined).
+      prefix_chunks, prefix_rows: packed mode, static: with prefix_chunks > 0, the state after
+        every prefix_chunks chunks of sequence q goes to rows first prefix row, +1, ... of a
+        third output [prefix_rows, H, K, V], as many as its info allows; other rows undefined.
       interpret: run in Pallas interpret mode (None: when there is no GPU).
     Returns:
       o: [B, T, H, V] out_dtype (0 at pads); new_state: [B, H, K, V] fp32 (with slots, the
-      pool).
+      pool; packed, [Q, H, K, V] or the pool); packed with prefix_chunks, also the prefix
+      states.
     """
     bsz, h, tp, kd = inter.qg.shape
     vd = inter.u.shape[-1]
     n = inter.gl.shape[2]
     chunk = tp // n
-    rows = bsz if slots is None else state.shape[0]
+    packed = seq_info is not None
+    if packed:
+        if bsz != 1 or seq_info.ndim != 2 or seq_info.shape[1] != 4:
+            raise ValueError(
+                f"chunk_scan: packed mode takes one stream and seq_info [Q, 4], got B={bsz} and "
+                f"seq_info of shape {seq_info.shape}"
+            )
+        if prefix_chunks < 0 or (prefix_chunks == 0) != (prefix_rows == 0) or prefix_rows < 0:
+            raise ValueError(
+                f"chunk_scan: {prefix_chunks=} and {prefix_rows=}: expected both 0, or both > 0"
+            )
+    elif prefix_chunks or prefix_rows:
+        raise ValueError("chunk_scan: prefix states need packed mode (seq_info)")
+    seqs = seq_info.shape[0] if packed else bsz
+    rows = seqs if slots is None else state.shape[0]
     if tuple(state.shape) != (rows, h, kd, vd):
         raise ValueError(f"chunk_scan: state has shape {state.shape}, expected {(rows, h, kd, vd)}")
     if slots is not None and (
-        slots.shape != (bsz,) or not jnp.issubdtype(slots.dtype, jnp.integer)
+        slots.shape != (seqs,) or not jnp.issubdtype(slots.dtype, jnp.integer)
     ):
         raise ValueError(
-            f"chunk_scan: slots has shape {slots.shape} and dtype {slots.dtype}, expected [{bsz}] "
+            f"chunk_scan: slots has shape {slots.shape} and dtype {slots.dtype}, expected [{seqs}] "
             "integers"
         )
     if not n * chunk - chunk < t <= n * chunk:
         raise ValueError(f"chunk_scan: t={t} does not fit N={n} chunks of C={chunk} tokens")
-    blk = block_sizes or ScanBlockSizes.get_default(bsz, h, vd, chunk)
+    blk = block_sizes or ScanBlockSizes.get_default(seqs, h, vd, chunk)
     bv = blk.block_v
     if bv < 16 or bv & (bv - 1) or vd % bv:
         raise ValueError(f"chunk_scan: block_v={bv}: expected a power of two >= 16 dividing V={vd}")
-    whole = lambda d: pl.BlockSpec((None, None, tp, d), lambda s, hh, j: (s, hh, 0, 0))  # noqa: E731
-    vtile = pl.BlockSpec((None, None, tp, bv), lambda s, hh, j: (s, hh, 0, j))
+    # Packed, every program reads the one stream (row 0) and writes its own chunks' rows of o.
+    row_of = (lambda s: 0) if packed else (lambda s: s)  # noqa: E731
+    whole = lambda d: pl.BlockSpec(  # noqa: E731
+        (None, None, tp, d), lambda s, hh, j: (row_of(s), hh, 0, 0)
+    )
+    vtile = pl.BlockSpec((None, None, tp, bv), lambda s, hh, j: (row_of(s), hh, 0, j))
     state_spec = pl.BlockSpec((None, None, kd, bv), lambda s, hh, j: (s, hh, 0, j))
     pool_in, pool_spec, aliases = (), [], {}
     if slots is not None:  # the whole pool, reached at each row's slot in the kernel
         state_spec = pl.no_block_spec
         pool_in, pool_spec = (slots.astype(jnp.int32),), [pl.BlockSpec((1,), lambda s, hh, j: (s,))]
         aliases = {6: 1}
-    o, new_state = pl.pallas_call(
-        functools.partial(_chunk_scan_kernel, chunk=chunk, pooled=slots is not None),
+    if packed:
+        pool_in += (seq_info.astype(jnp.int32),)
+        pool_spec.append(pl.BlockSpec((None, 4), lambda s, hh, j: (s, 0)))
+    prefix_shape, prefix_spec = (), ()
+    if prefix_chunks:
+        prefix_shape = (jax.ShapeDtypeStruct((prefix_rows, h, kd, vd), f32),)
+        prefix_spec = (pl.no_block_spec,)
+    kernel = functools.partial(_chunk_scan_kernel, chunk=chunk, pooled=slots is not None)
+    if packed:
+        kernel = functools.partial(kernel, packed=True, prefix_chunks=prefix_chunks)
+    o, new_state, *prefix = pl.pallas_call(
+        kernel,
         out_shape=(
             jax.ShapeDtypeStruct((bsz, tp, h, vd), out_dtype),
             jax.ShapeDtypeStruct(state.shape, f32),
+            *prefix_shape,
         ),
-        grid=(bsz, h, vd // bv),
+        grid=(seqs, h, vd // bv),
         in_specs=[
             whole(kd),
             whole(kd),
             whole(kd),
             vtile,
             whole(chunk),
-            pl.BlockSpec((None, None, n, kd), lambda s, hh, j: (s, hh, 0, 0)),
+            pl.BlockSpec((None, None, n, kd), lambda s, hh, j: (row_of(s), hh, 0, 0)),
             state_spec,
             *pool_spec,
         ],
         out_specs=(
-            pl.BlockSpec((None, tp, None, bv), lambda s, hh, j: (s, 0, hh, j)),
+            pl.BlockSpec((None, tp, None, bv), lambda s, hh, j: (row_of(s), 0, hh, j)),
             state_spec,
+            *prefix_spec,
         ),
         compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
         input_output_aliases=aliases,
         name="kda_chunk_scan",
         interpret=common.resolve_interpret(interpret),
     )(inter.qg, inter.kg, inter.w, inter.u, inter.a, inter.gl, state.astype(f32), *pool_in)
-    return (o if tp == t else o[:, :t]), new_state
+    o = o if tp == t else o[:, :t]
+    return (o, new_state, *prefix)

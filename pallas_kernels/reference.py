@@ -29,6 +29,7 @@ __all__ = [
     "fused_recurrent_reference",
     "decode_core_reference",
     "prefill_core_reference",
+    "prefill_core_packed_reference",
     "pool_rows",
     "pool_write",
     "slot_fill",
@@ -648,6 +649,114 @@ def prefill_core_reference(
         g_a.reshape(-1, g_a.shape[-1]), g_b, out_dtype=f32, bias=g_bias, precision=precision
     ).reshape(*g_a.shape[:2], -1)
     return o_norm_reference(o, z, o_norm_w, eps=eps, keep=keep, out_dtype=out_dtype), new_state
+
+
+def _packed_owners(seq_info: jax.Array, n_chunks: int, prefix_chunks: int, prefix_rows: int):
+    """Per chunk of a packed stream: the sequence whose chunks hold it (Q for none) and the
+    prefix row its final state goes to (prefix_rows for none); `seq_info` as in
+    `prefill_core_packed_reference`."""
+    q_ = seq_info.shape[0]
+    lo, hi = seq_info[:, 0], seq_info[:, 1]
+    c = jnp.arange(n_chunks)[:, None]
+    inside = (lo[None, :] <= c) & (c < hi[None, :])  # [chunks, Q]
+    owner = jnp.where(inside.any(1), jnp.argmax(inside, axis=1), q_)
+    if not prefix_chunks:
+        return owner, None
+    info = jnp.concatenate([seq_info, jnp.zeros((1, 4), seq_info.dtype)])[owner]
+    done = jnp.arange(n_chunks) + 1 - info[:, 0]  # the sequence's chunks through this one
+    row = done // prefix_chunks - 1
+    ends = (owner < q_) & (done % prefix_chunks == 0) & (row < info[:, 3])
+    return owner, jnp.where(ends, info[:, 2] + row, prefix_rows)
+
+
+def prefill_core_packed_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    f: jax.Array,
+    b: jax.Array,
+    g_a: jax.Array,
+    g_b: jax.Array,
+    state: jax.Array,
+    valid: jax.Array,
+    seq_info: jax.Array,
+    a_log: jax.Array,
+    dt_bias: jax.Array,
+    o_norm_w: jax.Array,
+    *,
+    scale: float,
+    chunk: int,
+    lower_bound: float | None,
+    eps: float,
+    g_bias: jax.Array | None = None,
+    out_dtype=jnp.bfloat16,
+    slots: jax.Array | None = None,
+    prefix_block: int | None = None,
+    prefix_rows: int = 0,
+    precision=None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """`prefill_core_reference` over one stream of S rows holding Q sequences, each on a range
+    of whole chunks: each sequence starts from its own state and writes its final state back.
+
+    Rows with valid = False are neutral (g = 0, beta = 0, q = k = v = 0, selected, so whatever
+    they hold is harmless) and output 0. The state pass is one scan over the stream's chunks
+    that keeps the Q states in its carry, each chunk reading and writing its sequence's row
+    (differentiable: gradients stay within each sequence).
+
+    Args:
+      q, k, v: [S, H, K] (q, k L2-normalised); f: [S, P]; b: [S, H]; S a multiple of C.
+      g_a: [S, R], g_b: [P, R], g_bias: optional [P]: the output gate, z = g_a g_b^T + g_bias
+        formed here in fp32, as in `prefill_core_reference` (precision: of its product).
+      state: [Q, H, K, V] fp32, or with slots [Q] int32 a pool read and written at slots[q]
+        (a negative slot writes nothing).
+      valid: [S] bool, the token rows.
+      seq_info: [Q, 4] int32 per sequence: (first chunk, end chunk, first prefix row, prefix
+        rows); the ranges [first, end) are disjoint, in stream order.
+      prefix_block: with prefix_rows > 0, tokens between prefix states (a multiple of C): the
+        state after every prefix_block tokens of sequence q goes to prefix rows first, +1, ...
+        (as many as its info gives) of [prefix_rows, H, K, V]; other rows are 0.
+    Returns:
+      y: [S, P] out_dtype; new_state (with slots, the pool); prefix states or None.
+    """
+    s_len, h, kd = q.shape
+    n_chunks = s_len // chunk
+    prefix_chunks = prefix_block // chunk if prefix_rows else 0
+    g, beta = gate_reference(f, b, a_log, dt_bias, head_dim=kd, lower_bound=lower_bound)
+    vm = valid[:, None, None]
+    q, k, v, g = (jnp.where(vm, a.astype(f32), 0.0) for a in (q, k, v, g))
+    beta = jnp.where(valid[:, None], beta, 0.0)
+
+    # [chunks, 1, H, C, ...]: one chunk of the stream per scan step, a batch of one.
+    def to_chunks(a):
+        return jnp.moveaxis(a.reshape(n_chunks, chunk, *a.shape[1:]), 1, 2)[:, None]
+
+    xs = tuple(to_chunks(a) for a in (q, k, v, g, beta))
+    owner, prow = _packed_owners(seq_info, n_chunks, prefix_chunks, prefix_rows)
+    init = state if slots is None else pool_rows(state, slots)
+    q_ = seq_info.shape[0]
+    # Row Q of the carry (and row prefix_rows of the prefix states) takes the writes of chunks
+    # that no sequence holds.
+    rows = jnp.concatenate([init.astype(f32), jnp.zeros((1, *init.shape[1:]), f32)])
+    pre = jnp.zeros((prefix_rows + 1, *init.shape[1:]), f32) if prefix_chunks else None
+    chunk_step = jax.checkpoint(lambda st, x: _chunk_step(st, x, scale))
+
+    def step(carry, inp):
+        rows, pre = carry
+        x, who, at = inp
+        st, o = chunk_step(lax.dynamic_index_in_dim(rows, who, keepdims=True), x)
+        rows = lax.dynamic_update_index_in_dim(rows, st[0], who, 0)
+        if pre is not None:
+            pre = lax.dynamic_update_index_in_dim(pre, st[0], at, 0)
+        return (rows, pre), o
+
+    prow = owner if prow is None else prow
+    (rows, pre), o = lax.scan(step, (rows, pre), (xs, owner, prow))
+    o = jnp.moveaxis(o[:, 0], 1, 2).reshape(s_len, h, -1)  # [chunks, H, C, V] -> [S, H, V]
+    z = gemv_reference(g_a, g_b, out_dtype=f32, bias=g_bias, precision=precision)
+    y = o_norm_reference(o, z, o_norm_w, eps=eps, keep=valid.astype(f32), out_dtype=out_dtype)
+    new = rows[:q_]
+    new_state = new if slots is None else pool_write(state, slots, new)
+    return y, new_state, (None if pre is None else pre[:prefix_rows])
 
 
 # --- chunk stages (chunk helper) ---

@@ -25,7 +25,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  for b in prefill decode gemv sharding; do
+  for b in prefill packed decode gemv sharding; do
     step "bench_$b" 1800 "$py" "benchmarks/bench_$b.py"
   done
   step bench_decode_pool 1800 "$py" benchmarks/bench_decode.py --pool

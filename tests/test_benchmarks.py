@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TOL
+from conftest import TOL, assert_close
 
 from pallas_kernels.chunk_prepare import PrepareBlockSizes
 
@@ -17,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = [
     "bench_decode",
     "bench_gemv",
+    "bench_packed",
     "bench_prefill",
     "bench_sharding",
     "block_profile",
@@ -58,6 +59,29 @@ def test_bench_decode_pool_case_runs_on_the_cpu(rng):
         changed = np.flatnonzero(np.any(np.asarray(new.recurrent != pool.recurrent), (1, 2, 3)))
         assert len(changed) == 3 and new.recurrent.shape[0] == 6
         jax.block_until_ready(new)
+
+
+def test_bench_packed_inputs_and_steps_run_on_the_cpu(rng):
+    """The packed bench's prompts come to about 64k tokens within [64, 8192]; at a small size
+    (H = 2, K = 32, interpret mode) its packed step on the chunk-aligned stream and its padded
+    step give the same final states, so both figures time the same work."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_packed
+    import jax
+
+    for n in (16, 64):
+        lengths = bench_packed.draw_lengths(n, seed=n)
+        assert len(lengths) == n and lengths.min() >= 64 and lengths.max() <= 8192
+        assert abs(int(lengths.sum()) - 65536) < 0.02 * 65536
+    lengths = bench_packed.draw_lengths(3, seed=0, total=90, lo=5, hi=60)
+    fla, ours, cu, holds = bench_packed.packed_inputs(lengths, 2, 32, 16, rng)
+    assert int(holds.sum()) == int(lengths.sum()) == int(cu[-1])
+    padded, lens = bench_packed.padded_inputs(fla, cu)
+    for lb in (None, bench_packed.LB):
+        got = bench_packed.packed_step(ours, lb, fla[-1], chunk=16)
+        want = bench_packed.padded_step(padded, lens, lb, fla[-1], chunk=16)
+        assert_close(got, want, TOL["bf16_stage"], f"final states, lower_bound={lb}")
+        jax.block_until_ready(got)
 
 
 def test_stage_profile_configs_build_block_sizes():

@@ -352,6 +352,68 @@ def test_scan_rejects_bad_state(rng):
         chunk_scan(inter, inp[7][:, :, :-1], t=T)
 
 
+@pytest.mark.parametrize("pooled", [False, True], ids=["rows", "pool"])
+def test_scan_packed_equals_each_sequence_alone(rng, pooled):
+    """Packed mode: three sequences on chunks [0, 3), [3, 3) (empty) and [4, 9) of one stream
+    of 10 chunks (chunks 3 and 9 held by none), each from its own state: o on its chunks, its
+    final state and its prefix states (every 2 chunks) equal the scan of its chunks alone; an
+    empty sequence keeps its state's bits; a pool's other slots (and slot -1's) are untouched."""
+    c, n_chunks = 16, 10
+    inp = _inputs(rng, b=1, t=n_chunks * c, poison=False)
+    kw = dict(scale=K**-0.5, chunk=c, lower_bound=None, mm_dtype=f32)
+    inter = ChunkIntermediates(*ref.chunk_prepare_reference(*_prep_args(inp), **kw))
+    ranges, counts = [(0, 3), (3, 3), (4, 9)], [1, 0, 2]
+    base = np.concatenate([[0], np.cumsum(counts)])[:-1]
+    info = [(lo, hi, b, n) for (lo, hi), b, n in zip(ranges, base, counts, strict=True)]
+    info = jnp.asarray(info, jnp.int32)
+    states = normal(jax.random.fold_in(rng, 1), (5 if pooled else 3, H, K, K), scale=0.5)
+    slots = jnp.asarray([4, -1, 1], jnp.int32) if pooled else None
+    o, new, pre = chunk_scan(
+        inter, states, slots, t=n_chunks * c, seq_info=info, prefix_chunks=2, prefix_rows=4
+    )
+    assert pre.shape == (4, H, K, K)
+
+    def alone(i, lo, hi):
+        part = ChunkIntermediates(
+            *(a[:, :, lo * c : hi * c] for a in inter[:5]), inter.gl[:, :, lo:hi]
+        )
+        at = i if slots is None else int(slots[i])
+        return ref.chunk_scan_reference(*part, states[at : at + 1], t=(hi - lo) * c)
+
+    for i, (lo, hi) in enumerate(ranges):
+        row = i if slots is None else int(slots[i])
+        if lo == hi:
+            if row >= 0:
+                np.testing.assert_array_equal(new[row], states[row], err_msg="empty sequence")
+            continue
+        o_ref, s_ref = alone(i, lo, hi)
+        assert_close(o[:, lo * c : hi * c], o_ref, FP32_TOL, f"sequence {i} o")
+        if row >= 0:
+            assert_close(new[row : row + 1], s_ref, FP32_TOL, f"sequence {i} state")
+        for j in range(counts[i]):
+            _, s_j = alone(i, lo, lo + 2 * (j + 1))
+            assert_close(pre[base[i] + j][None], s_j, FP32_TOL, f"sequence {i} prefix {j}")
+    if pooled:
+        for row in (0, 2, 3):
+            np.testing.assert_array_equal(new[row], states[row], err_msg=f"slot {row} untouched")
+
+
+def test_scan_packed_rejects_bad_info(rng):
+    inp = _inputs(rng, b=1, t=64, poison=False)
+    kw = dict(scale=K**-0.5, chunk=16, lower_bound=None, mm_dtype=f32)
+    inter = ChunkIntermediates(*ref.chunk_prepare_reference(*_prep_args(inp), **kw))
+    info = jnp.zeros((2, 4), jnp.int32)
+    states = jnp.zeros((2, H, K, K))
+    with pytest.raises(ValueError, match=r"seq_info of shape \(2, 3\)"):
+        chunk_scan(inter, states, t=64, seq_info=info[:, :3])
+    with pytest.raises(ValueError, match=r"state has shape \(3, 2, 32, 32\), expected \(2,"):
+        chunk_scan(inter, jnp.zeros((3, H, K, K)), t=64, seq_info=info)
+    with pytest.raises(ValueError, match="prefix_chunks=2 and prefix_rows=0"):
+        chunk_scan(inter, states, t=64, seq_info=info, prefix_chunks=2)
+    with pytest.raises(ValueError, match="prefix states need packed mode"):
+        chunk_scan(inter, inp[6], t=64, prefix_chunks=2, prefix_rows=1)
+
+
 # ----------------------------------------------------------------------------------------------
 # prefill_core
 # ----------------------------------------------------------------------------------------------
