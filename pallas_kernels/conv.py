@@ -546,9 +546,10 @@ def _conv_prefill_kernel(
     qk_mask = _qk_mask(x_ref.shape[1], qk_groups, j)
     t0 = pl.program_id(2) * block_t
     dtype = out_refs[0].dtype
-    # Static: a sequence shorter than one tile and its window has no interior tile.
-    interior = jnp.bool_(False)
-    if t_total >= block_t + width - 1:
+    # Static: a sequence shorter than one tile and its window has no interior tile (then every
+    # tile walks its rows, with no branch on a constant, which Triton cannot lower).
+    has_interior = t_total >= block_t + width - 1
+    if has_interior:
         interior = (t0 >= width - 1) & (t0 + block_t <= t_total)
 
         @pl.when(interior)
@@ -570,8 +571,7 @@ def _conv_prefill_kernel(
         from_state = state_ref[jnp.clip(pos + width - 1, 0, width - 2)].astype(f32)
         return jnp.where(pos >= 0, from_x, from_state)
 
-    @pl.when(~interior)
-    def _():
+    def walk():
         def row(i, window):
             t = t0 + i
             x_row = x_ref[jnp.minimum(t, t_total - 1)].astype(f32)
@@ -586,6 +586,11 @@ def _conv_prefill_kernel(
 
         window = tuple(raw(t0 - (width - 1) + i) for i in range(width - 1))
         lax.fori_loop(0, block_t, row, window)
+
+    if has_interior:
+        pl.when(~interior)(walk)
+    else:
+        walk()
 
     @pl.when(pl.program_id(2) == 0)
     def _():

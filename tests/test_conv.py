@@ -252,11 +252,12 @@ def test_conv_decode_lowers_for_h200(rows, splits):
     assert text.count("kda_conv_decode") >= 1 and text.count("xla.gpu.triton") == 1
 
 
+@pytest.mark.parametrize("t", [100, 34, 5])  # 34, 5: shorter than a tile and its window
 @pytest.mark.parametrize("splits", [None, (4096,) * 3])
-def test_conv_prefill_lowers_for_h200(splits):
-    x = jnp.ones((2, 100, 12288), jnp.bfloat16)
+def test_conv_prefill_lowers_for_h200(splits, t):
+    x = jnp.ones((2, t, 12288), jnp.bfloat16)
     state, w = jnp.ones((2, 3, 12288)), jnp.ones((12288, 4))
-    lengths = jnp.array([100, 3], jnp.int32)
+    lengths = jnp.array([t, 3], jnp.int32)
     fn = lambda *a: conv_prefill(*a, **KIMI, splits=splits, interpret=False)  # noqa: E731
     text = lower_for_h200(fn, x, state, w, lengths)
     assert "kda_conv_prefill" in text and text.count("xla.gpu.triton") == 1
