@@ -45,6 +45,7 @@ BENCH_ORDER = (
     "prefill_block",
     "decode",
     "decode_k",
+    "decode_pool",
     "decode_core",
     "decode_core_device",
     "conv_decode",
@@ -52,7 +53,7 @@ BENCH_ORDER = (
 )
 
 # The README's benches; the others go to docs/performance.md.
-HEADLINE = ("prefill_core", "prefill_block", "decode", "decode_k", "decode_core_device")
+HEADLINE = ("prefill_core", "prefill_block", "decode", "decode_k", "decode_pool")
 
 __all__ = [
     "load_records",
@@ -147,10 +148,13 @@ def markdown_table(records: list[dict]) -> str:
             "`scripts/make_results_table.py`.\n"
         )
     tokens = any("tokens_per_s" in r for r in rows)
+    several = len({r["device"] for r in rows}) > 1  # then each row names its device
     head = ["bench", "shape", "backend", "ours (µs)", "peer", "peer (µs)", "ours / peer"]
     head += ["ours / floor"] + (["tokens/s"] if tokens else []) + ["date", "commit"]
+    head += ["device"] if several else []
     align = ["---"] * 3 + ["---:", "---", "---:", "---:", "---:"] + (["---:"] if tokens else [])
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align + ["---", "---"]) + "|"]
+    align += ["---", "---"] + (["---"] if several else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
     notes: list[str] = []
     for r in rows:
         t, base = r["time_us"], r["baseline"] or {}
@@ -166,11 +170,13 @@ def markdown_table(records: list[dict]) -> str:
             tps = r.get("tokens_per_s")
             cells.append("-" if tps is None else f"{tps / 1e6:.2f}M")
         cells += [str(r["date"])[:10], str(r["commit"])[:7]]
+        cells += [r["device"].removeprefix("NVIDIA ")] if several else []
         lines.append("| " + " | ".join(cells) + " |")
     devices = ", ".join(sorted({r["device"] for r in rows}))
     lines += [
         "",
-        f"{devices}. Ours / peer below 1.00× is faster than the peer (timed in the same process); "
+        f"{devices}. Ours / peer below 1.00× is faster than the peer (timed in the same process, "
+        "so on the same device); "
         "ours / floor is the distance to the bandwidth (or FLOP) floor.",
     ]
     lines += [""] * bool(notes) + [f"- ({i + 1}) {n}" for i, n in enumerate(notes)]
