@@ -25,5 +25,5 @@ that compose kernels (`gemv.proj`, `gemv.proj_many`, `front.decode_front`, `chun
 |   w, u                                  |   chunk_wu                    | chunk_wu.py      |
 | chunked prefill: state pass and output  | chunk_scan                    | chunk_scan.py    |
 | chunked prefill, orchestrated           | chunk_kda, prefill_core       | chunk.py         |
-| sigmoid-gated RMSNorm                   | o_norm                        | o_norm.py        |
+| sigmoid-gated RMSNorm (z's dot inside)  | o_norm, o_norm_gate           | o_norm.py        |
 """

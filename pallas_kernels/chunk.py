@@ -2,7 +2,7 @@
 
     raw q, k, v, f, b  --chunk_prepare-->  qg, kg, w, u, A, exp(G_last)   (intra-chunk, parallel)
                        --chunk_scan----->  o, final state                 (state pass over chunks)
-                       --o_norm--------->  y = RMSNorm(o) * w * sigmoid(z), 0 at pads
+                       --o_norm_gate---->  y = RMSNorm(o) * w * sigmoid(g_a g_b^T), 0 at pads
 
 chunk_prepare is itself three kernels (chunk_diag, chunk_intra, chunk_wu). Each stage takes its
 default tiling here; the stages' own functions take a `block_sizes` to try others.

@@ -53,7 +53,7 @@ BENCH_ORDER = (
 )
 
 # The README's benches; the others go to docs/performance.md.
-HEADLINE = ("prefill_core", "prefill_block", "decode", "decode_k", "decode_pool")
+HEADLINE = ("prefill_core", "prefill_block", "decode_pool", "decode_k")
 
 __all__ = [
     "load_records",
