@@ -131,7 +131,7 @@ def _bump(state):
     return (state[0, 0, 0, 0] > 1e30).astype(jnp.int32)
 
 
-def packed_step(ours, lower_bound, state, chunk=DEFAULT_CHUNK):
+def packed_step(ours, state, lower_bound=None, chunk=DEFAULT_CHUNK):
     q, k, v, f, b, a_log, dt_bias, _, info = ours
     kd = q.shape[-1]
     _, new_state = chunk_kda_packed(
@@ -154,8 +154,8 @@ def packed_step(ours, lower_bound, state, chunk=DEFAULT_CHUNK):
     return new_state
 
 
-def padded_step(padded, lengths, lower_bound, state, chunk=DEFAULT_CHUNK):
-    q, k, v, g, beta, a_log, dt_bias, _ = padded
+def padded_step(inputs, state, lower_bound=None, chunk=DEFAULT_CHUNK):
+    (q, k, v, g, beta, a_log, dt_bias, _), lengths = inputs
     b, t, h, kd = q.shape
     _, new_state = chunk_kda(
         q,
@@ -226,14 +226,15 @@ def bench_core(prompts, gates, n, reps, records, meta, h=32, kd=128, chunk=DEFAU
             padded_us = None
             try:
                 padded, lens = padded_inputs(fla, cu)
-                step = functools.partial(padded_step, padded, lens, lb, chunk=chunk)
-                padded_us = round(common.time_loop(step, fla[-1] + 0.0, n, reps), 2)
+                step = functools.partial(padded_step, lower_bound=lb, chunk=chunk)
+                h0 = fla[-1] + 0.0
+                padded_us = round(common.time_loop(step, h0, n, reps, consts=(padded, lens)), 2)
                 del padded
             except Exception as e:  # noqa: BLE001 - printed, the figure is null
                 why = f"{e!r}"[:400]
                 print(f"[prefill_packed_core {shape} {gate}] padded failed: {why}", file=sys.stderr)
-            step = functools.partial(packed_step, ours, lb, chunk=chunk)
-            run = functools.partial(common.time_loop, step, fla[-1] + 0.0, n, reps)
+            step = functools.partial(packed_step, lower_bound=lb, chunk=chunk)
+            run = functools.partial(common.time_loop, step, fla[-1] + 0.0, n, reps, consts=ours)
             common.run_case(
                 records,
                 meta,

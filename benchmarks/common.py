@@ -308,7 +308,9 @@ def torch_kernels(call, calls: int = 10) -> list[tuple[str, float, float]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
-def time_loop(step, carry, n: int, reps: int, unroll: int | bool = 1, differential=False) -> float:
+def time_loop(
+    step, carry, n: int, reps: int, unroll: int | bool = 1, differential=False, consts=None
+) -> float:
     """Median us per step of `carry = step(carry)` run n times in one jitted `fori_loop` (carry
     donated), after a compile and a warm-up call. `unroll=True` writes the n steps out as
     straight-line code (on the H200 that measured slower than the rolled loop:
@@ -316,23 +318,28 @@ def time_loop(step, carry, n: int, reps: int, unroll: int | bool = 1, differenti
 
     differential: also time a loop of 3n steps and return (T(3n) - T(n)) / 2n, which cancels
     what every call costs once (dispatch, donation, the final sync: ~0.2-0.4 ms on the H200,
-    10+ us per step of a 16-step loop); for steps of a few to tens of us (decode)."""
+    10+ us per step of a 16-step loop); for steps of a few to tens of us (decode).
+
+    consts: inputs every step reads and none changes, passed as `step(consts, carry)` through
+    an argument of the jitted loop (not donated); large arrays closed over instead would be
+    lowered as constants into the program (slow to compile, gigabytes at bench sizes)."""
     import statistics
     import time
 
     from jax import lax
 
     def per_call(steps, carry):
+        body = (lambda c, k: step(c)) if consts is None else (lambda c, k: step(k, c))
         loop = jax.jit(
-            lambda c: lax.fori_loop(0, steps, lambda i, c: step(c), c, unroll=unroll),
+            lambda c, k: lax.fori_loop(0, steps, lambda i, c: body(c, k), c, unroll=unroll),
             donate_argnums=0,
         )
         for _ in range(2):
-            carry = jax.block_until_ready(loop(carry))
+            carry = jax.block_until_ready(loop(carry, consts))
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            carry = jax.block_until_ready(loop(carry))
+            carry = jax.block_until_ready(loop(carry, consts))
             times.append(time.perf_counter() - t0)
         return statistics.median(times), carry
 

@@ -78,8 +78,8 @@ def test_bench_packed_inputs_and_steps_run_on_the_cpu(rng):
     assert int(holds.sum()) == int(lengths.sum()) == int(cu[-1])
     padded, lens = bench_packed.padded_inputs(fla, cu)
     for lb in (None, bench_packed.LB):
-        got = bench_packed.packed_step(ours, lb, fla[-1], chunk=16)
-        want = bench_packed.padded_step(padded, lens, lb, fla[-1], chunk=16)
+        got = bench_packed.packed_step(ours, fla[-1], lower_bound=lb, chunk=16)
+        want = bench_packed.padded_step((padded, lens), fla[-1], lower_bound=lb, chunk=16)
         assert_close(got, want, TOL["bf16_stage"], f"final states, lower_bound={lb}")
         jax.block_until_ready(got)
 
