@@ -53,13 +53,13 @@ def _fresh(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-def _interleaved(one, many):
+def _interleaved(timer, one, many):
     """(baseline us, a call giving ours) timed one, many, one: the faster baseline of the two
     runs around ours (the first case timed in a process ran up to ~10% slower on the H100).
-    Each call builds its own carry: time_loop donates it."""
-    first = one()
-    ours = many()
-    return min(first, one()), lambda: ours
+    `one` and `many` are (step, carry); each run gets a fresh carry: time_loop donates it."""
+    first = timer(one[0], _fresh(one[1]))
+    ours = timer(many[0], _fresh(many[1]))
+    return min(first, timer(one[0], _fresh(one[1]))), lambda: ours
 
 
 def bench(mesh_shape, quick, records, meta):
@@ -75,8 +75,9 @@ def bench(mesh_shape, quick, records, meta):
         many = _prefill_step(lambda x, s: S.prefill(sp, cfg, x, s, backend="pallas"))
         ss = S.shard_state(_fresh(state), cfg, mesh)
         base, run = _interleaved(
-            lambda: common.time_loop(one, _fresh((x, state)), n, reps),
-            lambda: common.time_loop(many, (_fresh(x), _fresh(ss)), n, reps),
+            lambda step, carry: common.time_loop(step, carry, n, reps),
+            (one, (x, state)),
+            (many, (x, ss)),
         )
         common.run_case(
             records,
@@ -97,10 +98,9 @@ def bench(mesh_shape, quick, records, meta):
         many = _prefill_step(lambda x, s: S.decode(sp, cfg, x, s, backend="pallas"))
         ss = S.shard_state(_fresh(state), cfg, mesh)
         base, run = _interleaved(
-            lambda: common.time_loop(one, _fresh((x, state)), 4 * n, reps, differential=True),
-            lambda: common.time_loop(
-                many, (_fresh(x), _fresh(ss)), 4 * n, reps, differential=True
-            ),
+            lambda step, carry: common.time_loop(step, carry, 4 * n, reps, differential=True),
+            (one, (x, state)),
+            (many, (x, ss)),
         )
         common.run_case(
             records,

@@ -53,7 +53,7 @@ BENCH_ORDER = (
 )
 
 # The README's benches; the others go to docs/performance.md.
-HEADLINE = ("prefill_core", "prefill_block", "decode_pool", "decode_k")
+HEADLINE = ("prefill_core", "prefill_block", "prefill_packed_core", "decode_pool", "decode_k")
 
 __all__ = [
     "load_records",
