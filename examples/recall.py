@@ -8,10 +8,11 @@ which is what the delta rule of KDA is built for.
     tokens  k1 v1 k2 v2 ... kN vN | q1 a1 q2 a2 ... qN aN      (q_i a key, a_i its value)
     target                          ^a1   ^a2   ...   ^aN       (predicted at the q_i positions)
 
-Everything here runs on a CPU in a couple of minutes with the `xla` backend (pure jnp, so
-`jax.grad` flows through it; the Pallas kernels have no VJP):
+Everything here runs on a CPU in a couple of minutes on the `xla` backend; on a GPU it trains
+through the `pallas` backend (the kernels forward, the xla path's VJP backward). `--backend`
+picks one:
 
-    .venv/bin/python examples/recall.py
+    .venv/bin/python examples/recall.py [--backend xla|pallas]
 
 Pieces (all importable; `notebooks/04_associative_recall.ipynb` uses them):
   RecallConfig            sizes of the task and the model (frozen).
@@ -28,6 +29,7 @@ Pieces (all importable; `notebooks/04_associative_recall.ipynb` uses them):
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
 
@@ -37,6 +39,7 @@ import optax
 from flax import nnx
 
 import kda_jax as K
+from kda_jax import backends
 
 __all__ = [
     "RecallConfig",
@@ -68,6 +71,7 @@ class RecallConfig:
       tie_embeddings: the head reuses the embedding matrix.
       batch, steps, lr, warmup, weight_decay: training.
       seed: initialisation seed; data_seed: the stream of training batches.
+      backend: the KDA backend ("xla", "pallas", or None: pallas on a GPU, xla elsewhere).
     """
 
     vocab: int = 64
@@ -87,6 +91,7 @@ class RecallConfig:
     weight_decay: float = 0.01
     seed: int = 0
     data_seed: int = 1
+    backend: str | None = None
 
     @property
     def seq_len(self) -> int:
@@ -153,7 +158,9 @@ class Layer(nnx.Module):
     def __init__(self, cfg: RecallConfig, *, rngs: nnx.Rngs):
         d = cfg.d_model
         self.attn_norm = nnx.RMSNorm(d, rngs=rngs)
-        self.attn = K.KimiDeltaAttention(cfg.kda(), rngs=rngs, backend="xla", dtype=jnp.float32)
+        self.attn = K.KimiDeltaAttention(
+            cfg.kda(), rngs=rngs, backend=cfg.backend, dtype=jnp.float32
+        )
         self.mlp_norm = nnx.RMSNorm(d, rngs=rngs)
         self.mlp_in = nnx.Linear(d, cfg.mlp_ratio * d, rngs=rngs)
         self.mlp_out = nnx.Linear(cfg.mlp_ratio * d, d, rngs=rngs)
@@ -338,11 +345,14 @@ def answer_by_decoding(model: RecallLM, tokens: jax.Array):
 
 
 def main() -> None:
-    cfg = RecallConfig()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--backend", choices=("xla", "pallas"), default=None)
+    cfg = RecallConfig(backend=parser.parse_args().backend)
+    backend = backends.resolve(cfg.backend)
     print(
         f"MQAR: vocab {cfg.vocab}, {cfg.num_pairs} pairs, seq len {cfg.seq_len}; model "
         f"{cfg.layers} x KDA(d={cfg.d_model}, heads={cfg.heads}, head_dim={cfg.head_dim}), "
-        f"{cfg.steps} steps of batch {cfg.batch}, backend xla on {jax.default_backend()}"
+        f"{cfg.steps} steps of batch {cfg.batch}, backend {backend} on {jax.default_backend()}"
     )
     model, history = train(cfg)
     final = history[-1]["eval_acc"]

@@ -135,16 +135,48 @@ def _check_backend(backend: str, what: str) -> None:
 
 @jax.custom_jvp
 def _refuse_grad(tree):
-    """Identity whose derivative raises: the pallas kernels have no VJP yet."""
+    """Identity whose derivative raises: the pallas kernels' stage dict has no VJP."""
     return tree
 
 
 @_refuse_grad.defjvp
 def _refuse_grad_jvp(primals, tangents):
     raise NotImplementedError(
-        "the pallas backend has no gradient yet (its kernels define no VJP); differentiate "
-        "through backend='xla'"
+        "the pallas backend has no gradient with return_stages=True (the stage dict is a "
+        "debugging aid); differentiate without it, or through backend='xla'"
     )
+
+
+def _differentiable(body, backend: str, return_stages: bool, diff, aux):
+    """body(backend, diff, aux): an entry point's work on (params, x, state) = diff and its
+    integer inputs aux. On the pallas backend the kernels run forward and the VJP is the xla
+    backend's (`_xla_vjp`); with return_stages pallas refuses gradients."""
+    if backend != "pallas":
+        return body(backend, diff, aux)
+    if return_stages:
+        return body(backend, _refuse_grad(diff), aux)
+    return _xla_vjp(body, diff, aux)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _xla_vjp(body, diff, aux):
+    """The pallas kernels forward; backward, `jax.vjp` of the same body on the xla backend,
+    recomputed from the saved inputs (the kernels define no VJP of their own). Both backends
+    compute the same function (SPEC bars), so the gradients are the xla path's."""
+    return body("pallas", diff, aux)
+
+
+def _xla_vjp_fwd(body, diff, aux):
+    return body("pallas", diff, aux), (diff, aux)
+
+
+def _xla_vjp_bwd(body, res, ct):
+    diff, aux = res
+    _, pull = jax.vjp(lambda d: body("xla", d, aux), diff)
+    return pull(ct)[0], None
+
+
+_xla_vjp.defvjp(_xla_vjp_fwd, _xla_vjp_bwd)
 
 
 def _in_proj(st: backends.Stages, params: KdaParams, cfg: KdaConfig, x: jax.Array):
@@ -170,10 +202,19 @@ def _rows(
     _check_backend(backend, "decode_k" if snapshots else "decode")
     if b_ == 0:
         return _empty_rows(params, cfg, x, state, snapshots, return_stages)
-    if backend == "pallas":
-        params, x, state = _refuse_grad((params, x, state))
+
+    def body(backend, diff, aux):
+        return _rows_body(*diff, *aux, cfg, backend, interpret, snapshots, return_stages, precision)
+
+    return _differentiable(body, backend, return_stages, (params, x, state), (slots,))
+
+
+def _rows_body(params, x, state, slots, cfg, backend, interpret, snapshots, return_stages, prec):
+    """`_rows` on one backend (interpret applies to pallas only)."""
+    b_, r, d = x.shape
+    interpret = interpret if backend == "pallas" else None
     codes = None if slots is None else _slot_codes(slots, state.recurrent.shape[0])
-    st = backends.stages(backend, interpret=interpret, precision=precision)
+    st = backends.stages(backend, interpret=interpret, precision=prec)
     qkv, f_a, g_a, b = _in_proj(st, params, cfg, x.reshape(b_ * r, d))
     shape = lambda a: a.reshape(b_, r, a.shape[-1])  # noqa: E731
     qkv = shape(qkv)
@@ -418,8 +459,19 @@ def _prefill(
     if b_ == 0 or t == 0:
         out = jnp.zeros((b_, t, cfg.hidden), params.dtype)
         return (out, state, {}) if return_stages else (out, state)
-    if backend == "pallas":
-        params, x, state = _refuse_grad((params, x, state))
+
+    def body(backend, diff, aux):
+        return _prefill_body(*diff, *aux, cfg, backend, interpret, return_stages, precision)
+
+    return _differentiable(body, backend, return_stages, (params, x, state), (lengths, slots))
+
+
+def _prefill_body(
+    params, x, state, lengths, slots, cfg, backend, interpret, return_stages, precision
+):
+    """`_prefill` on one backend (interpret applies to pallas only)."""
+    b_, t, _ = x.shape
+    interpret = interpret if backend == "pallas" else None
     codes = None
     if slots is not None:
         codes = _slot_codes(slots, state.recurrent.shape[0])
@@ -557,7 +609,7 @@ def prefill_packed(
 
     Sequence i is x[cu_seqlens[i]:cu_seqlens[i + 1]]; it starts from its own state and its final
     state is written back; the conv and the recurrence restart at every boundary, and gradients
-    (xla backend) stay within each sequence. No sequence is padded to the longest: the work is
+    stay within each sequence. No sequence is padded to the longest: the work is
     that of T tokens plus at most one chunk and W-1 rows per sequence. One compilation serves
     every cu_seqlens for a given T and N.
 
@@ -694,8 +746,18 @@ def _prefill_packed(
         if not prefix_block:
             return out, state
         return out, state, _empty_prefix(cfg, n, m_rows)
-    if backend == "pallas":
-        params, x, state = _refuse_grad((params, x, state))
+
+    def body(backend, diff, aux):
+        return _packed_body(*diff, *aux, cfg, backend, interpret, precision, prefix_block)
+
+    return _differentiable(body, backend, False, (params, x, state), (cu, slots))
+
+
+def _packed_body(params, x, state, cu, slots, cfg, backend, interpret, precision, prefix_block):
+    """`_prefill_packed` on one backend (interpret applies to pallas only)."""
+    t = x.shape[0]
+    m_rows = t // prefix_block if prefix_block else 0
+    interpret = interpret if backend == "pallas" else None
     codes = None if slots is None else _slot_codes(slots, state.recurrent.shape[0])
     conv_rows = state.conv if codes is None else ref.pool_rows(state.conv, codes)
     tok = _packed_tokens(x, cu, conv_rows, codes, prefix_block)

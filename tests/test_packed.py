@@ -272,13 +272,6 @@ def test_packed_training_gradients(name, rng):
         assert not np.asarray(leaf[jnp.asarray([0, 2])]).any(), f"{name_} leaked"
 
 
-def test_pallas_packed_refuses_gradients(rng):
-    cfg, p, s0, key = _setup("tiny", rng, 2)
-    x, cu = _pack(key, cfg, [3, 4], pad=0)
-    with pytest.raises(NotImplementedError, match="no gradient"):
-        jax.grad(lambda x: jnp.sum(K.prefill_packed(p, cfg, x, cu, s0, backend="pallas")[0]))(x)
-
-
 def test_bf16_packed_meets_the_bf16_bar_against_the_oracle(rng):
     """bf16 weights and activations, states from the oracle (so the conv state rows are
     projections, exact in bf16): each sequence against the fp32 oracle within SPEC's 1e-2."""

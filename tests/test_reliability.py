@@ -189,18 +189,6 @@ def test_lengths_out_of_range_are_refused(rng):
     np.testing.assert_array_equal(s_clip.recurrent, s_ref.recurrent)
 
 
-def test_pallas_gradient_is_refused_clearly(rng):
-    cfg, p, s0, key = _block("tiny", rng)
-    x = jax.random.normal(key, (2, 20, cfg.hidden))
-    msg = "pallas backend has no gradient yet"
-    with pytest.raises(NotImplementedError, match=msg):
-        jax.grad(lambda p: K.prefill(p, cfg, x, s0, backend="pallas")[0].sum())(p)
-    with pytest.raises(NotImplementedError, match=msg):
-        jax.grad(lambda x: K.decode(p, cfg, x, s0, backend="pallas")[0].sum())(x[:, 0])
-    with pytest.raises(NotImplementedError, match=msg):
-        jax.grad(lambda s: K.decode_k(p, cfg, x[:, :2], s, backend="pallas")[0].sum())(s0)
-
-
 def test_x64_runs_on_xla_and_is_refused_clearly_on_pallas(rng):
     cfg, p, s0, key = _block("tiny", rng)
     x = jax.random.normal(key, (2, 20, cfg.hidden))
