@@ -394,41 +394,131 @@ def o_norm_reference(
 
 
 # --------------------------------------------------------------------------------------------
-# Chunked prefill core (SPEC §5)
+# Chunked prefill core (SPEC §5): intra-chunk stage, state pass, output
 # --------------------------------------------------------------------------------------------
-def _chunk_step(state, inp, scale):
-    """One chunk for all (B, H). state [B, H, K, V]; q, k, g [B, H, C, K]; v [B, H, C, V];
-    beta [B, H, C]. g is the per-token log-decay; pad tokens carry g = 0, beta = 0, k = 0."""
-    q, k, v, g, beta = inp
-    c = q.shape[2]
-    hi = lax.Precision.HIGHEST
-    gc = jnp.cumsum(g, axis=2)  # G: inclusive chunk-local cumulative log-decay [B, H, C, K]
-    # Pairwise exp(G_i - G_j) with the mask applied before exp: every exponent is <= 0.
-    diff = gc[:, :, :, None, :] - gc[:, :, None, :, :]  # [B, H, C(i), C(j), K]
+def _decay_mask(c: int, strict: bool) -> jax.Array:
+    """[C, C] bool: j <= i (j < i if strict)."""
     ii = jnp.arange(c)[:, None]
     jj = jnp.arange(c)[None, :]
-    decay_le = jnp.exp(jnp.where((jj <= ii)[..., None], diff, -jnp.inf))
-    qk = jnp.einsum("bhik,bhjk,bhijk->bhij", q, k, decay_le, precision=hi)
-    kk = jnp.einsum("bhik,bhjk,bhijk->bhij", k, k, decay_le, precision=hi)
-    a_mat = scale * qk  # j <= i
-    l_mat = beta[..., None] * jnp.where(jj < ii, kk, 0.0)  # strictly lower
-    eye = jnp.eye(c, dtype=f32)
-    i_plus_l = eye + l_mat
-    w = jax.scipy.linalg.solve_triangular(
-        i_plus_l, beta[..., None] * k * jnp.exp(gc), lower=True, unit_diagonal=True
-    )
-    u = jax.scipy.linalg.solve_triangular(
-        i_plus_l, beta[..., None] * v, lower=True, unit_diagonal=True
-    )
-    delta = u - jnp.einsum("bhck,bhkv->bhcv", w, state, precision=hi)
-    o = scale * jnp.einsum("bhck,bhkv->bhcv", q * jnp.exp(gc), state, precision=hi)
-    o = o + jnp.einsum("bhij,bhjv->bhiv", a_mat, delta, precision=hi)
-    g_last = gc[:, :, -1, :]  # [B, H, K]
-    k_dec = k * jnp.exp(g_last[:, :, None, :] - gc)
-    new_state = jnp.exp(g_last)[..., None] * state + jnp.einsum(
-        "bhck,bhcv->bhkv", k_dec, delta, precision=hi
-    )
-    return new_state, o
+    return jj < ii if strict else jj <= ii
+
+
+def _decay(g: jax.Array, mask: jax.Array) -> jax.Array:
+    """[..., C, C, K] exp(g_ik - g_jk) where mask, else 0: the mask applied before exp, so every
+    exponent is <= 0 (g non-increasing along C)."""
+    diff = g[..., :, None, :] - g[..., None, :, :]
+    return jnp.exp(jnp.where(mask[..., None], diff, -jnp.inf))
+
+
+_DECAY_BYTES = 1 << 28  # the most one group's [units, C, C, K] fp32 product may take
+
+
+def _by_units(fn, *arrays):
+    """fn over [U, C, ...] arrays (U = the leading dims, C, K from arrays[-1]), in groups of
+    units whose [C, C, K] fp32 products take at most _DECAY_BYTES: XLA may materialise that
+    product, and over every chunk of a long prefill it would be tens of GiB."""
+    lead, (c, kd) = arrays[-1].shape[:-2], arrays[-1].shape[-2:]
+    flat = [a.reshape(-1, *a.shape[len(lead) :]) for a in arrays]
+    units = flat[0].shape[0]
+    group = max(1, _DECAY_BYTES // (4 * c * c * kd))
+    if units <= group:
+        out = fn(*flat)
+    else:
+        n = -(-units // group)
+        pad = lambda a: jnp.pad(a, [(0, n * group - units)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
+        grouped = [pad(a).reshape(n, group, *a.shape[1:]) for a in flat]
+        out = lax.map(lambda xs: fn(*xs), grouped)
+        out = jax.tree.map(lambda o: o.reshape(n * group, *o.shape[2:])[:units], out)
+    return jax.tree.map(lambda o: o.reshape(*lead, *o.shape[1:]), out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _decayed_scores(x: jax.Array, y: jax.Array, g: jax.Array, strict: bool) -> jax.Array:
+    """S_ij = sum_k x_ik y_jk exp(g_ik - g_jk) for j <= i (j < i if strict), else 0.
+
+    x, y, g: [..., C, K] -> S [..., C, C]. Each pass is one product reduced at once, and the VJP
+    is two reductions of the same form (dx, dy; dg = x dx - y dy), so no pass keeps a
+    [C, C, K] tensor for another; each runs by groups of chunks (`_by_units`).
+    """
+    mask = _decay_mask(x.shape[-2], strict)
+
+    def scores(x, y, g):
+        s = jnp.sum(x[..., :, None, :] * y[..., None, :, :] * _decay(g, mask), axis=-1)
+        return jnp.where(mask, s, 0.0)
+
+    return _by_units(scores, x, y, g)
+
+
+def _decayed_scores_fwd(x, y, g, strict):
+    return _decayed_scores(x, y, g, strict), (x, y, g)
+
+
+def _decayed_scores_bwd(strict, res, ds):
+    x, y, g = res
+    mask = _decay_mask(x.shape[-2], strict)
+
+    def grads(ds, x, y, g):
+        ds = jnp.where(mask, ds, 0.0)[..., None]  # [..., C, C, 1]
+        dx = jnp.sum(ds * y[..., None, :, :] * _decay(g, mask), axis=-2)
+        dy = jnp.sum(ds * x[..., :, None, :] * _decay(g, mask), axis=-3)
+        return dx, dy, x * dx - y * dy
+
+    return _by_units(grads, ds, x, y, g)
+
+
+_decayed_scores.defvjp(_decayed_scores_fwd, _decayed_scores_bwd)
+
+
+def _chunk_local(q, k, v, g, beta, scale):
+    """Intra-chunk stage (SPEC §5 steps 1-3) of any number of chunks at once.
+
+    q, k, g: [..., C, K]; v: [..., C, V]; beta: [..., C] (pads neutral: g = beta = k = 0).
+    Returns (qg, kg, w, u, a, gl): qg = s q exp(G), kg = k exp(G_last - G), w = T(beta k exp(G)),
+    u = T(beta v) with T = (I + beta strict-lower(k k^T decayed))^-1, a = s (q k^T decayed, j <= i)
+    [..., C, C], gl = exp(G_last) [..., K]; G the inclusive chunk-local cumsum of g.
+    """
+    c, kd = q.shape[-2:]
+    gc = jnp.cumsum(g, axis=-2)
+    a = scale * _decayed_scores(q, k, gc, False)
+    i_plus_l = jnp.eye(c, dtype=f32) + beta[..., None] * _decayed_scores(k, k, gc, True)
+    rhs = beta[..., None] * jnp.concatenate([k * jnp.exp(gc), v], axis=-1)
+    wu = jax.scipy.linalg.solve_triangular(i_plus_l, rhs, lower=True, unit_diagonal=True)
+    g_last = gc[..., -1:, :]
+    qg = scale * q * jnp.exp(gc)
+    kg = k * jnp.exp(g_last - gc)
+    return qg, kg, wu[..., :kd], wu[..., kd:], a, jnp.exp(g_last[..., 0, :])
+
+
+def _state_step(h, kg, w, u, gl):
+    """One chunk of the state pass (SPEC §5 step 4): h [..., K, V] -> (next h, delta [..., C, V])
+    with delta = u - w h."""
+    hi = lax.Precision.HIGHEST
+    delta = u - jnp.einsum("...ck,...kv->...cv", w, h, precision=hi)
+    h = gl[..., None] * h + jnp.einsum("...ck,...cv->...kv", kg, delta, precision=hi)
+    return h, delta
+
+
+def _chunk_output(qg, a, h, delta):
+    """Output of every chunk at once (SPEC §5 step 5): qg h + a delta, [..., C, V]."""
+    hi = lax.Precision.HIGHEST
+    o = jnp.einsum("...ck,...kv->...cv", qg, h, precision=hi)
+    return o + jnp.einsum("...ij,...jv->...iv", a, delta, precision=hi)
+
+
+def _chunk_core(xs, state, scale):
+    """xs = (q, k, v, g, beta) as [N, ..., C, ...] chunks -> (o [N, ..., C, V], final state).
+
+    The intra-chunk stage and the output run over all chunks at once; only the state pass is a
+    scan (two [C, K] x [K, V] products a chunk). The intra-chunk stage is rematerialised in the
+    backward pass (it keeps its inputs, not its [C, C] and [C, K] intermediates)."""
+    qg, kg, w, u, a, gl = jax.checkpoint(_chunk_local, static_argnums=(5,))(*xs, scale)
+
+    def step(h, x):
+        h_next, delta = _state_step(h, *x)
+        return h_next, (h, delta)
+
+    final, (hs, delta) = lax.scan(step, state.astype(f32), (kg, w, u, gl))
+    return _chunk_output(qg, a, hs, delta), final
 
 
 def chunk_kda_reference(
@@ -469,10 +559,7 @@ def chunk_kda_reference(
         return jnp.moveaxis(a, 1, 0)  # [N, B, H, C, ...]
 
     xs = tuple(to_chunks(a) for a in (q, k, v, g, beta))
-    # Rematerialised per chunk: a backward pass keeps each chunk's input state, not its [C, C]
-    # and [C, K] intermediates (the forward alone compiles to the same program).
-    step = jax.checkpoint(lambda s, x: _chunk_step(s, x, scale))
-    new_state, o = lax.scan(step, state.astype(f32), xs)
+    o, new_state = _chunk_core(xs, state, scale)
     o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, V]
     o = jnp.moveaxis(o, 2, 3).reshape(b, n * chunk, h, -1)[:, :t]
     return o, new_state
@@ -738,19 +825,21 @@ def prefill_core_packed_reference(
     # that no sequence holds.
     rows = jnp.concatenate([init.astype(f32), jnp.zeros((1, *init.shape[1:]), f32)])
     pre = jnp.zeros((prefix_rows + 1, *init.shape[1:]), f32) if prefix_chunks else None
-    chunk_step = jax.checkpoint(lambda st, x: _chunk_step(st, x, scale))
+    qg, kg, w, u, a, gl = jax.checkpoint(_chunk_local, static_argnums=(5,))(*xs, scale)
 
     def step(carry, inp):
         rows, pre = carry
         x, who, at = inp
-        st, o = chunk_step(lax.dynamic_index_in_dim(rows, who, keepdims=True), x)
-        rows = lax.dynamic_update_index_in_dim(rows, st[0], who, 0)
+        st = lax.dynamic_index_in_dim(rows, who, keepdims=True)
+        nxt, delta = _state_step(st, *x)
+        rows = lax.dynamic_update_index_in_dim(rows, nxt[0], who, 0)
         if pre is not None:
-            pre = lax.dynamic_update_index_in_dim(pre, st[0], at, 0)
-        return (rows, pre), o
+            pre = lax.dynamic_update_index_in_dim(pre, nxt[0], at, 0)
+        return (rows, pre), (st, delta)
 
     prow = owner if prow is None else prow
-    (rows, pre), o = lax.scan(step, (rows, pre), (xs, owner, prow))
+    (rows, pre), (hs, delta) = lax.scan(step, (rows, pre), ((kg, w, u, gl), owner, prow))
+    o = _chunk_output(qg, a, hs, delta)
     o = jnp.moveaxis(o[:, 0], 1, 2).reshape(s_len, h, -1)  # [chunks, H, C, V] -> [S, H, V]
     z = gemv_reference(g_a, g_b, out_dtype=f32, bias=g_bias, precision=precision)
     y = o_norm_reference(o, z, o_norm_w, eps=eps, keep=valid.astype(f32), out_dtype=out_dtype)
@@ -785,8 +874,6 @@ def chunk_prepare_reference(
 ) -> tuple[jax.Array, ...]:
     """Intra-chunk stage of SPEC §5 (steps 1-3); the reference of `chunk_prepare.chunk_prepare`.
 
-    Materialises [B, H, N, C, C, K] decay tensors: meant for test sizes only.
-
     Args:
       q, k: [B, T, H, K] L2-normalised (q unscaled); v: [B, T, H, V].
       f: [B, T, H*K] raw gate input; b: [B, T, H] beta logits; lengths: [B] int32.
@@ -797,33 +884,15 @@ def chunk_prepare_reference(
       the q-k scores (j <= i, zeros above); gl [B, H, N, K] fp32, exp(G_last).
       Pads (t >= lengths[b]) are neutral: g = 0, beta = 0, q = k = v = 0.
     """
-    bsz, t, h, kd = q.shape
-    hi = lax.Precision.HIGHEST
+    t, kd = q.shape[1], q.shape[3]
     valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
     g, beta = gate_reference(f, b, a_log, dt_bias, head_dim=kd, lower_bound=lower_bound)
     vm = valid[..., None, None]
     q, k, v, g = (_to_chunks(jnp.where(vm, a.astype(f32), 0.0), chunk) for a in (q, k, v, g))
-    beta = _to_chunks(jnp.where(valid[..., None], beta, 0.0), chunk)[..., None]  # [B,H,N,C,1]
-    gc = jnp.cumsum(g, axis=3)  # [B, H, N, C, K]
-    diff = gc[..., :, None, :] - gc[..., None, :, :]  # [B, H, N, C(i), C(j), K]
-    ii = jnp.arange(chunk)[:, None]
-    jj = jnp.arange(chunk)[None, :]
-    decay = jnp.exp(jnp.where((jj <= ii)[..., None], diff, -jnp.inf))
-    a_mat = scale * jnp.einsum("...ik,...jk,...ijk->...ij", q, k, decay, precision=hi)
-    l_mat = beta * jnp.where(
-        jj < ii, jnp.einsum("...ik,...jk,...ijk->...ij", k, k, decay, precision=hi), 0.0
-    )
-    i_plus_l = jnp.eye(chunk, dtype=f32) + l_mat
-    solve = lambda rhs: jax.scipy.linalg.solve_triangular(  # noqa: E731
-        i_plus_l, rhs, lower=True, unit_diagonal=True
-    )
-    w = solve(beta * k * jnp.exp(gc))
-    u = solve(beta * v)
-    g_last = gc[..., -1:, :]  # [B, H, N, 1, K]
-    qg = scale * q * jnp.exp(gc)
-    kg = k * jnp.exp(g_last - gc)
+    beta = _to_chunks(jnp.where(valid[..., None], beta, 0.0), chunk)  # [B, H, N, C]
+    qg, kg, w, u, a_mat, gl = _chunk_local(q, k, v, g, beta, scale)
     flat = lambda a, dt=mm_dtype: a.reshape(*a.shape[:2], -1, a.shape[-1]).astype(dt)  # noqa: E731
-    return flat(qg), flat(kg), flat(w), flat(u, f32), flat(a_mat), jnp.exp(g_last[..., 0, :])
+    return flat(qg), flat(kg), flat(w), flat(u, f32), flat(a_mat), gl
 
 
 def chunk_scan_reference(
@@ -847,20 +916,16 @@ def chunk_scan_reference(
     """
     bsz, h, tp, _ = qg.shape
     n, c = gl.shape[2], tp // gl.shape[2]
-    hi = lax.Precision.HIGHEST
     chunks = lambda x: jnp.moveaxis(  # noqa: E731
         x.astype(f32).reshape(bsz, h, n, c, x.shape[-1]), 2, 0
     )
-    xs = (*(chunks(x) for x in (qg, kg, w, u, a)), jnp.moveaxis(gl, 2, 0))
+    qg, kg, w, u, a = (chunks(x) for x in (qg, kg, w, u, a))
 
     def step(s, x):
-        qg_, kg_, w_, u_, a_, gl_ = x
-        delta = u_ - jnp.einsum("bhck,bhkv->bhcv", w_, s, precision=hi)
-        o = jnp.einsum("bhck,bhkv->bhcv", qg_, s, precision=hi)
-        o = o + jnp.einsum("bhij,bhjv->bhiv", a_, delta, precision=hi)
-        s = gl_[..., None] * s + jnp.einsum("bhck,bhcv->bhkv", kg_, delta, precision=hi)
-        return s, o
+        s_next, delta = _state_step(s, *x)
+        return s_next, (s, delta)
 
-    new_state, o = lax.scan(step, state.astype(f32), xs)  # o: [N, B, H, C, V]
+    new_state, (hs, delta) = lax.scan(step, state.astype(f32), (kg, w, u, jnp.moveaxis(gl, 2, 0)))
+    o = _chunk_output(qg, a, hs, delta)  # [N, B, H, C, V]
     o = jnp.moveaxis(o, 0, 2).reshape(bsz, h, tp, -1)[:, :, :t]
     return jnp.moveaxis(o, 1, 2), new_state

@@ -185,11 +185,14 @@ def test_pallas_prefill_stage_by_stage_with_padding(name, rng):
 
 
 def _xla_eqns(jaxpr):
-    """The equations XLA runs: through jit calls, not into kernel bodies (whose in-kernel value
-    slices are not copies)."""
+    """The equations XLA runs: through jit calls and the pallas backend's custom VJP (whose
+    forward is the kernels), not into kernel bodies (whose in-kernel value slices are not
+    copies)."""
     for e in jaxpr.eqns:
         if e.primitive.name in ("pjit", "jit", "closed_call"):
             yield from _xla_eqns(e.params["jaxpr"].jaxpr)
+        elif e.primitive.name == "custom_vjp_call":
+            yield from _xla_eqns(e.params["call_jaxpr"].jaxpr)
         else:
             yield e
 

@@ -31,8 +31,11 @@ def _setup(name, key, batch=2):
 
 
 def _loss(y, st, proj):
-    """A loss whose cotangents depend on the outputs (not a plain sum) and reach the state."""
-    return jnp.sum(jnp.tanh(y @ proj)) + jnp.sum(st.recurrent**2) + jnp.sum(st.conv**2)
+    """A loss whose cotangents depend on the outputs (not a plain sum) and reach the state.
+    y @ proj is scaled to O(1): a saturated tanh's fp32 derivative, 1 - tanh^2, is mostly
+    round-off, and the two backends' outputs differ by an ulp."""
+    arg = y @ proj / y.shape[-1] ** 0.5
+    return jnp.sum(jnp.tanh(arg)) + jnp.sum(st.recurrent**2) + jnp.sum(st.conv**2)
 
 
 def _assert_grads_match(got, want, what):
