@@ -480,7 +480,7 @@ def _chunk_local(q, k, v, g, beta, scale):
     c, kd = q.shape[-2:]
     gc = jnp.cumsum(g, axis=-2)
     a = scale * _decayed_scores(q, k, gc, False)
-    i_plus_l = jnp.eye(c, dtype=f32) + beta[..., None] * _decayed_scores(k, k, gc, True)
+    i_plus_l = jnp.eye(c, dtype=q.dtype) + beta[..., None] * _decayed_scores(k, k, gc, True)
     rhs = beta[..., None] * jnp.concatenate([k * jnp.exp(gc), v], axis=-1)
     wu = jax.scipy.linalg.solve_triangular(i_plus_l, rhs, lower=True, unit_diagonal=True)
     g_last = gc[..., -1:, :]
@@ -517,7 +517,7 @@ def _chunk_core(xs, state, scale):
         h_next, delta = _state_step(h, *x)
         return h_next, (h, delta)
 
-    final, (hs, delta) = lax.scan(step, state.astype(f32), (kg, w, u, gl))
+    final, (hs, delta) = lax.scan(step, state.astype(kg.dtype), (kg, w, u, gl))
     return _chunk_output(qg, a, hs, delta), final
 
 
@@ -545,14 +545,16 @@ def chunk_kda_reference(
       state: [B, H, K, V] fp32.
       chunk: C; T need not be a multiple of it.
     Returns:
-      o: [B, T, H, V] fp32; new_state: [B, H, K, V] fp32.
+      o: [B, T, H, V] fp32; new_state: [B, H, K, V] fp32 (float64 for float64 inputs, which
+      the gradient checks use).
     """
     b, t, h, kd = q.shape
     n = -(-t // chunk)
     pad = n * chunk - t
+    dtype = jnp.promote_types(q.dtype, f32)
 
     def to_chunks(a):
-        a = a.astype(f32)
+        a = a.astype(dtype)
         a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
         a = a.reshape(b, n, chunk, *a.shape[2:])  # [B, N, C, H, ...]
         a = jnp.moveaxis(a, 3, 2)  # [B, N, H, C, ...]
