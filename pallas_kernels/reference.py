@@ -469,6 +469,32 @@ def _decayed_scores_bwd(strict, res, ds):
 _decayed_scores.defvjp(_decayed_scores_fwd, _decayed_scores_bwd)
 
 
+SUB = 16  # rows of a sub-chunk of the decayed scores (`_chunk_scores`)
+
+
+def _chunk_scores(x: jax.Array, y: jax.Array, g: jax.Array, strict: bool) -> jax.Array:
+    """`_decayed_scores` of whole chunks, [..., C, K] -> [..., C, C], at a quarter of its
+    elementwise work: within a sub-chunk of SUB rows the product is formed per element; across
+    sub-chunks exp(g_i - g_j) factors through the first row r of row i's sub-chunk as
+    exp(g_i - g_r) exp(g_r - g_j), both exponents <= 0 (j < r <= i, g non-increasing), so each
+    sub-chunk's rows against the earlier columns are one matmul."""
+    c, kd = x.shape[-2:]
+    s = min(SUB, c)
+    n = c // s
+    sub = lambda a: a.reshape(*a.shape[:-2], n, s, kd)  # noqa: E731
+    diag = _decayed_scores(sub(x), sub(y), sub(g), strict)  # [..., n, s, s]
+    eye = jnp.eye(n, dtype=x.dtype)[:, None, :, None]  # [n, 1, n, 1]: exact, no dot
+    out = (eye * diag[..., :, :, None, :]).reshape(*x.shape[:-2], c, c)
+    if n == 1:
+        return out
+    g_ref = sub(g)[..., :1, :]  # [..., n, 1, K]
+    before = (jnp.arange(c)[None, :] < s * jnp.arange(n)[:, None])[:, :, None]  # [n, C, 1]
+    xr = sub(x) * jnp.exp(sub(g) - g_ref)  # [..., n, s, K]
+    yr = y[..., None, :, :] * jnp.exp(jnp.where(before, g_ref - g[..., None, :, :], -jnp.inf))
+    cross = jnp.einsum("...nik,...njk->...nij", xr, yr, precision=lax.Precision.HIGHEST)
+    return out + cross.reshape(*x.shape[:-2], c, c)
+
+
 def _chunk_local(q, k, v, g, beta, scale):
     """Intra-chunk stage (SPEC §5 steps 1-3) of any number of chunks at once.
 
@@ -479,8 +505,8 @@ def _chunk_local(q, k, v, g, beta, scale):
     """
     c, kd = q.shape[-2:]
     gc = jnp.cumsum(g, axis=-2)
-    a = scale * _decayed_scores(q, k, gc, False)
-    i_plus_l = jnp.eye(c, dtype=q.dtype) + beta[..., None] * _decayed_scores(k, k, gc, True)
+    a = scale * _chunk_scores(q, k, gc, False)
+    i_plus_l = jnp.eye(c, dtype=q.dtype) + beta[..., None] * _chunk_scores(k, k, gc, True)
     rhs = beta[..., None] * jnp.concatenate([k * jnp.exp(gc), v], axis=-1)
     wu = jax.scipy.linalg.solve_triangular(i_plus_l, rhs, lower=True, unit_diagonal=True)
     g_last = gc[..., -1:, :]

@@ -119,13 +119,14 @@ def _core_loss(core, cts, *inputs):
     return jnp.sum(o * cts[0]) + jnp.sum(s * cts[1])
 
 
-@pytest.mark.parametrize("t,chunk,min_log_decay", [(37, 16, -50.0), (129, 64, -1.0)])
+@pytest.mark.parametrize("t,chunk,min_log_decay", [(37, 32, -50.0), (129, 64, -1.0)])
 def test_chunk_core_gradients_equal_the_recurrence(t, chunk, min_log_decay, rng, monkeypatch):
-    """jax.grad of chunk_kda_reference (its decayed q-k scores carry their own VJP and run by
-    groups of chunks, here forced to groups of 3) == jax.grad of the token recurrence: q, k, v,
+    """jax.grad of chunk_kda_reference (its decayed q-k scores within sub-chunks carry their own
+    VJP and run by groups, here forced to groups of 3) == jax.grad of the token recurrence: q, k, v,
     g, beta and the carried state, decay down to -50 per token, T off the chunk grid."""
     b, h, kd = 2, 3, 32
-    monkeypatch.setattr(reference, "_DECAY_BYTES", 3 * 4 * chunk * chunk * kd)
+    sub = min(reference.SUB, chunk)
+    monkeypatch.setattr(reference, "_DECAY_BYTES", 3 * 4 * sub * sub * kd)
     inputs = _core_inputs(rng, b, t, h, kd, min_log_decay)
     kc = jax.random.split(jax.random.fold_in(rng, 1), 2)
     cts = (jax.random.normal(kc[0], (b, t, h, kd)), jax.random.normal(kc[1], (b, h, kd, kd)))
@@ -143,7 +144,7 @@ def test_chunk_core_gradients_equal_the_recurrence(t, chunk, min_log_decay, rng,
 def test_chunk_core_gradients_against_float64_finite_differences(rng):
     """The chunk core's gradients in float64 against central differences along a random
     direction of every input: the hand-written VJP of the decayed scores is the derivative."""
-    b, t, h, kd, chunk = 1, 21, 2, 8, 8
+    b, t, h, kd, chunk = 1, 45, 2, 8, 32
     with jax.enable_x64(True):
         inputs = _core_inputs(rng, b, t, h, kd, -3.0, jnp.float64)
         keys = jax.random.split(jax.random.fold_in(rng, 2), 8)
