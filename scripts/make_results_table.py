@@ -50,10 +50,20 @@ BENCH_ORDER = (
     "decode_core_device",
     "conv_decode",
     "gemv",
+    "train_core",
+    "train_block",
 )
 
 # The README's benches; the others go to docs/performance.md.
-HEADLINE = ("prefill_core", "prefill_block", "prefill_packed_core", "decode_pool", "decode_k")
+HEADLINE = (
+    "prefill_core",
+    "prefill_block",
+    "prefill_packed_core",
+    "decode_pool",
+    "decode_k",
+    "train_core",
+    "train_block",
+)
 
 __all__ = [
     "load_records",
