@@ -222,18 +222,25 @@ def block_inputs(cfg, b, t, key):
     return x, state
 
 
+def block_case(gate: str, bench: str):
+    """(cfg, bf16 params, FLA's layer or None) of the kimi-linear-48b block with this gate; why
+    FLA's layer is missing is printed."""
+    cfg = preset("kimi-linear-48b" + ("-bounded" if gate == "bounded" else ""))
+    params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    try:
+        layer = common.fla_layer(cfg, cfg.gate_lower_bound)
+    except Exception as e:  # noqa: BLE001 - the reason is printed and baseline is null
+        layer = None
+        print(f"[{bench} {gate}] FLA layer unavailable: {e!r}", file=sys.stderr)
+    return cfg, params, layer
+
+
 def bench_block(shapes, gates, n, reps, records, meta):
     """The whole block (`forward.prefill`, pallas, bf16 weights) against FLA's own layer on the
     same geometry and gate in this process, eager and as a CUDA graph; the faster is the
     baseline."""
     for gate in gates:
-        cfg = preset("kimi-linear-48b" + ("-bounded" if gate == "bounded" else ""))
-        params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
-        try:
-            layer = common.fla_layer(cfg, cfg.gate_lower_bound)
-        except Exception as e:  # noqa: BLE001 - the reason is printed and baseline is null
-            layer = None
-            print(f"[prefill_block {gate}] FLA layer unavailable: {e!r}", file=sys.stderr)
+        cfg, params, layer = block_case(gate, "prefill_block")
         for b, t in shapes:
             fla = None
             if layer is not None:

@@ -40,12 +40,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
-from bench_prefill import L2_EPS, LB, PEAK, block_flops, chunk_flops, core_inputs  # noqa: E402
+from bench_prefill import (  # noqa: E402
+    L2_EPS,
+    LB,
+    PEAK,
+    block_case,
+    block_flops,
+    block_inputs,
+    chunk_flops,
+    core_inputs,
+)
 
 from kda_jax import forward  # noqa: E402
-from kda_jax.config import DEFAULT_CHUNK, preset  # noqa: E402
-from kda_jax.params import init_params  # noqa: E402
-from kda_jax.state import KdaState  # noqa: E402
+from kda_jax.config import DEFAULT_CHUNK  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
 
 SHAPES = [(1, 8192), (4, 4096), (8, 2048)]
@@ -179,13 +186,7 @@ def fla_layer_train_us(layer, b, t, reps) -> tuple[float, float]:
 
 def bench_block(shapes, gates, backends, n, reps, records, meta):
     for gate in gates:
-        cfg = preset("kimi-linear-48b" + ("-bounded" if gate == "bounded" else ""))
-        params = init_params(cfg, jax.random.key(0), jnp.bfloat16)
-        try:
-            layer = common.fla_layer(cfg, cfg.gate_lower_bound)
-        except Exception as e:  # noqa: BLE001 - the reason is printed and baseline is null
-            layer = None
-            print(f"[train_block {gate}] FLA layer unavailable: {e!r}", file=sys.stderr)
+        cfg, params, layer = block_case(gate, "train_block")
         for b, t in shapes:
             fla, fla_mib = None, None
             if layer is not None:
@@ -193,15 +194,11 @@ def bench_block(shapes, gates, backends, n, reps, records, meta):
                     fla, fla_mib = fla_layer_train_us(layer, b, t, reps)
                 except Exception as e:  # noqa: BLE001 - printed, baseline null
                     print(f"[train_block B={b} T={t} {gate}] FLA failed: {e!r}", file=sys.stderr)
-            k1, k2, k3, k4 = jax.random.split(jax.random.key(b * t), 4)
-            x = jax.random.normal(k1, (b, t, cfg.hidden), jnp.float32).astype(jnp.bfloat16)
-            state = KdaState(
-                recurrent=0.1 * jax.random.normal(k2, cfg.recurrent_state_shape(b), jnp.float32),
-                conv=jax.random.normal(k3, cfg.conv_state_shape(b), jnp.float32),
-            )
+            x, state = block_inputs(cfg, b, t, jax.random.key(b * t))
+            k1, k2 = jax.random.split(jax.random.key(b * t + 1))
             cts = (
-                jax.random.normal(k4, (b, t, cfg.hidden), jnp.float32),
-                jax.random.normal(k4, cfg.recurrent_state_shape(b), jnp.float32),
+                jax.random.normal(k1, (b, t, cfg.hidden), jnp.float32),
+                jax.random.normal(k2, cfg.recurrent_state_shape(b), jnp.float32),
             )
             for backend in backends:
                 grad = jax.grad(

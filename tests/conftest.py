@@ -95,6 +95,20 @@ def assert_same_program(got, want, what: str = "") -> None:
         np.testing.assert_allclose(got, want, **TOL["interpret_same_program"], err_msg=what)
 
 
+def block_setup(name, key, batch=2, dtype=jnp.float32, warm=5):
+    """A preset's random params and a realistic carried state, the oracle's after `warm` random
+    tokens (zeros for warm=0): (cfg, params, state, a fresh key)."""
+    import kda_jax as K
+
+    cfg = K.preset(name)
+    k1, k2, k3 = jax.random.split(key, 3)
+    p = K.init_params(cfg, k1, dtype)
+    s = K.KdaState.zeros(cfg, batch)
+    if warm:
+        _, s, _ = K.oracle_forward(p, cfg, jax.random.normal(k2, (batch, warm, cfg.hidden)), s)
+    return cfg, p, s, k3
+
+
 def normal(key, shape, dtype=jnp.float32, scale=1.0):
     """Fresh N(0, scale^2) draws (never zeros)."""
     return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOL, assert_close
+from conftest import TOL, assert_close, block_setup
 
 import kda_jax as K
 from pallas_kernels import reference
@@ -21,15 +21,7 @@ from pallas_kernels.reference import chunk_kda_reference, recurrent_reference
 GATES = ["tiny", "tiny-bounded"]
 
 
-def _setup(name, key, batch=2, dtype=jnp.float32, carried=True):
-    cfg = K.preset(name)
-    k1, k2, k3 = jax.random.split(key, 3)
-    p = K.init_params(cfg, k1, dtype)
-    s = K.KdaState.zeros(cfg, batch)
-    if carried:  # a realistic carried state: the oracle's state after a few random tokens
-        warm = jax.random.normal(k2, (batch, 5, cfg.hidden))
-        _, s, _ = K.oracle_forward(p, cfg, warm, s)
-    return cfg, p, s, k3
+_setup = block_setup
 
 
 @pytest.mark.parametrize("name", [GATES[0], pytest.param(GATES[1], marks=pytest.mark.slow)])
@@ -332,7 +324,7 @@ def test_bf16_end_to_end_within_bar(rng):
 
 
 def test_bad_inputs_raise_clear_errors(rng):
-    cfg, p, s0, key = _setup("tiny", rng, carried=False)
+    cfg, p, s0, key = _setup("tiny", rng, warm=0)
     x = jax.random.normal(key, (2, 5, cfg.hidden))
     want = r"x has shape \(2, 5, 95\), expected \[B, T, D\] with D = hidden = 96"
     with pytest.raises(ValueError, match=want):

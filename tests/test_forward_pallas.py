@@ -5,11 +5,13 @@ the Kimi-Linear geometry in bf16."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ON_GPU, TOL, assert_close, assert_same_program
+from conftest import ON_GPU, TOL, assert_close, assert_same_program, block_setup
 
 import kda_jax as K
 from kda_jax.params import in_proj_slices
@@ -19,13 +21,7 @@ GATES = ["kimi-linear-48b", "kimi-linear-48b-bounded"] if ON_GPU else ["tiny", "
 DTYPE = jnp.bfloat16
 
 
-def _setup(name, key, batch):
-    cfg = K.preset(name)
-    k1, k2, k3 = jax.random.split(key, 3)
-    p = K.init_params(cfg, k1, DTYPE)
-    warm = jax.random.normal(k2, (batch, 3, cfg.hidden))
-    _, s, _ = K.oracle_forward(p, cfg, warm, K.KdaState.zeros(cfg, batch))  # carried state
-    return cfg, p, s, k3
+_setup = functools.partial(block_setup, dtype=DTYPE, warm=3)
 
 
 def _isolated_stages(p, cfg, x2d, conv_fn, core_fn, st):

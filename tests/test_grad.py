@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import ON_GPU, TOL, assert_close
+from conftest import ON_GPU, TOL, assert_close, block_setup
 from flax import nnx
 
 import kda_jax as K
@@ -21,13 +21,7 @@ FP32_TOL = TOL["fp32_gpu"] if ON_GPU else TOL["fp32_cpu"]  # TF32 dots on a GPU
 GATES = ["tiny", "tiny-bounded"]
 
 
-def _setup(name, key, batch=2):
-    cfg = K.preset(name)
-    k1, k2, k3 = jax.random.split(key, 3)
-    p = K.init_params(cfg, k1, jnp.float32)
-    warm = jax.random.normal(k2, (batch, 6, cfg.hidden))
-    _, s0, _ = K.oracle_forward(p, cfg, warm, K.KdaState.zeros(cfg, batch))
-    return cfg, p, s0, k3
+_setup = block_setup
 
 
 def _loss(y, st, proj):

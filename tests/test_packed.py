@@ -16,7 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ON_GPU, TOL, assert_close, assert_same_program, lower_for_h200, normal
+from conftest import (
+    ON_GPU,
+    TOL,
+    assert_close,
+    assert_same_program,
+    block_setup,
+    lower_for_h200,
+    normal,
+)
 
 import kda_jax as K
 from kda_jax import forward
@@ -25,14 +33,7 @@ FP32_TOL = TOL["fp32_gpu"] if ON_GPU else TOL["fp32_cpu"]
 CONV_TOL = TOL["conv_state_vs_oracle"]  # raw projections of one dot in another batch shape
 
 
-def _setup(name, key, n, dtype=jnp.float32):
-    """Params and a carried state per sequence (the oracle's after a few random tokens)."""
-    cfg = K.preset(name)
-    kp, kw, kx = jax.random.split(key, 3)
-    p = K.init_params(cfg, kp, dtype)
-    warm = normal(kw, (n, 5, cfg.hidden))
-    _, s0, _ = K.oracle_forward(p, cfg, warm, K.KdaState.zeros(cfg, n))
-    return cfg, p, s0, kx
+_setup = block_setup
 
 
 def _edge_lengths(cfg):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ON_GPU, TOL, assert_close
+from conftest import ON_GPU, TOL, assert_close, block_setup
 
 import kda_jax as K
 
@@ -20,13 +20,7 @@ GATES = ["tiny", "tiny-bounded"]
 BACKENDS = ["xla", "pallas"]
 
 
-def _block(name, key, batch=2):
-    cfg = K.preset(name)
-    k1, k2, k3 = jax.random.split(key, 3)
-    p = K.init_params(cfg, k1, jnp.float32)
-    warm = jax.random.normal(k2, (batch, 5, cfg.hidden))
-    _, s0, _ = K.oracle_forward(p, cfg, warm, K.KdaState.zeros(cfg, batch))
-    return cfg, p, s0, k3
+_block = block_setup
 
 
 def _all_finite(tree) -> bool:
