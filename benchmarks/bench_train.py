@@ -1,9 +1,11 @@
 """Training timings on one GPU: forward + backward of the core and of the whole block.
 
 Cases (H=32, K=V=128, both gates; B=1 T=8192, B=4 T=4096, B=8 T=2048):
-- `train_core`: gate + beta + L2 of q, k + chunked recurrence (`chunk_kda_reference`, the xla
-  path: the core's only backward today), gradients of q, k, v, the raw gate, beta, A_log,
-  dt_bias and the initial state for a fixed random cotangent of o and of the final state.
+- `train_core`: gate + beta + L2 of q, k + chunked recurrence (`chunk_kda_reference`),
+  gradients of q, k, v, the raw gate, beta, A_log, dt_bias and the initial state for a fixed
+  random cotangent of o and of the final state. Backends: `xla` (every stage XLA's, the state
+  pass a `lax.scan`) and `pallas` (what the pallas backend's backward runs: the intra-chunk
+  stage XLA's, the state pass on the Pallas kernels of `chunk_scan_vjp`).
   Baseline: FLA 0.6.0 `chunk_kda` (SPEC §9 options) on the same arrays, `o.backward` through
   torch autograd with the same cotangents, eager (autograd does not replay as a CUDA graph).
 - `train_block`: `forward.prefill` (kimi-linear-48b geometry, bf16 weights), gradients of every
@@ -54,6 +56,7 @@ from bench_prefill import (  # noqa: E402
 from kda_jax import forward  # noqa: E402
 from kda_jax.config import DEFAULT_CHUNK  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
+from pallas_kernels.chunk_scan_vjp import chunk_scan_vjp  # noqa: E402
 
 SHAPES = [(1, 8192), (4, 4096), (8, 2048)]
 FLA_CORE = "fla-0.6.0 chunk_kda fwd+bwd (torch autograd, eager)"
@@ -66,8 +69,9 @@ def _l2(a):
     return a * jax.lax.rsqrt(jnp.sum(a * a, -1, keepdims=True) + L2_EPS)
 
 
-def core_loss(inputs, cts, lower_bound, chunk=DEFAULT_CHUNK):
-    """<o, do> + <final state, ds> of the xla core on FLA's input set."""
+def core_loss(inputs, cts, lower_bound, chunk=DEFAULT_CHUNK, scan=None):
+    """<o, do> + <final state, ds> of the core on FLA's input set (scan: the state pass, as in
+    `chunk_kda_reference`)."""
     q, k, v, g, beta, a_log, dt_bias, h0 = inputs
     do, ds = cts
     b, t, h, kd = q.shape
@@ -75,8 +79,9 @@ def core_loss(inputs, cts, lower_bound, chunk=DEFAULT_CHUNK):
         g.reshape(b, t, h * kd), beta, a_log, dt_bias, head_dim=kd, lower_bound=lower_bound
     )
     o, st = ref.chunk_kda_reference(
-        _l2(q), _l2(k), v.astype(jnp.float32), gate, bet, h0, scale=kd**-0.5, chunk=chunk
-    )
+        _l2(q), _l2(k), v.astype(jnp.float32), gate, bet, h0, scale=kd**-0.5, chunk=chunk,
+        scan=scan,
+    )  # fmt: skip
     return jnp.sum(o * do) + jnp.sum(st * ds)
 
 
@@ -126,7 +131,7 @@ def _torch_train_us(call, reps) -> tuple[float, float]:
     return common._event_us(call, reps), round(peak)
 
 
-def bench_core(shapes, gates, n, reps, records, meta, h=32, kd=128):
+def bench_core(shapes, gates, backends, n, reps, records, meta, h=32, kd=128):
     for gate in gates:
         lb = LB if gate == "bounded" else None
         for b, t in shapes:
@@ -141,18 +146,20 @@ def bench_core(shapes, gates, n, reps, records, meta, h=32, kd=128):
                 fla, fla_mib = fla_core_train_us(inputs, cts, lb, reps)
             except Exception as e:  # noqa: BLE001 - printed, baseline null
                 print(f"[train_core B={b} T={t} {gate}] FLA failed: {e!r}", file=sys.stderr)
-            grad = jax.grad(functools.partial(core_loss, lower_bound=lb))
+            for backend in backends:
+                scan = chunk_scan_vjp if backend == "pallas" else None
+                grad = jax.grad(functools.partial(core_loss, lower_bound=lb, scan=scan))
 
-            def step(cts, inputs, grad=grad):
-                return _moved(inputs, grad(inputs, cts))
+                def step(cts, inputs, grad=grad):
+                    return _moved(inputs, grad(inputs, cts))
 
-            run = functools.partial(common.time_loop, step, inputs, n, reps, consts=cts)
-            common.run_case(
-                records, meta, "train_core", f"B={b},T={t},H={h},K={kd},gate={gate}", "xla",
-                run, 3 * b * chunk_flops(1, t, h, kd, kd) / PEAK * 1e6, fla, FLA_CORE,
-                vs_baseline=lambda us, f=fla: None if f is None else round(us / f, 3),
-                peak_mib=_temp_mib(grad, inputs, cts), fla_peak_mib=fla_mib,
-            )  # fmt: skip
+                run = functools.partial(common.time_loop, step, inputs, n, reps, consts=cts)
+                common.run_case(
+                    records, meta, "train_core", f"B={b},T={t},H={h},K={kd},gate={gate}",
+                    backend, run, 3 * b * chunk_flops(1, t, h, kd, kd) / PEAK * 1e6, fla,
+                    FLA_CORE, vs_baseline=lambda us, f=fla: None if f is None else round(us / f, 3),
+                    peak_mib=_temp_mib(grad, inputs, cts), fla_peak_mib=fla_mib,
+                )  # fmt: skip
             del inputs, cts
 
 
@@ -230,7 +237,7 @@ def main():
     only.add_argument("--core-only", action="store_true")
     only.add_argument("--block-only", action="store_true")
     parser.add_argument("--gates", default="unbounded,bounded")
-    parser.add_argument("--backends", default="pallas,xla", help="block backends")
+    parser.add_argument("--backends", default="pallas,xla")
     parser.add_argument(
         "--shapes",
         type=lambda x: [tuple(int(v) for v in s.split("x")) for s in x.split(",")],
@@ -248,7 +255,7 @@ def main():
     n, reps = (2, 3) if args.quick else (3, 5)
     records = common.Records(args.out)
     if not args.block_only:
-        bench_core(args.shapes, gates, n, reps, records, meta)
+        bench_core(args.shapes, gates, backends, n, reps, records, meta)
     if not args.core_only:
         bench_block(args.shapes, gates, backends, n, reps, records, meta)
     print(f"wrote {len(records)} records to {records.where()}")

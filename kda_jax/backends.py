@@ -6,9 +6,10 @@ Both backends expose the same stages with the signatures of `pallas_kernels.refe
 stream).
 - `xla`: the pure-jnp references (any platform; the CPU default).
 - `pallas`: the Pallas Triton kernels (the GPU default); on a machine without a GPU they run in
-  interpret mode, which is slow and meant for tests. `stages("pallas", interpret=False)` gives
-  the compiled kernels on any machine (cross-lowering for a GPU), `interpret=True` the
-  interpreted ones on a GPU.
+  interpret mode, which is slow and meant for tests. Its gradients are those of `xla_vjp`
+  (internal): the xla references with the chunked core's state pass on Pallas kernels.
+  `stages("pallas", interpret=False)` gives the compiled kernels on any machine (cross-lowering
+  for a GPU), `interpret=True` the interpreted ones on a GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from pallas_kernels import reference as ref
 __all__ = ["BACKENDS", "Stages", "default_backend", "stages"]
 
 BACKENDS = ("xla", "pallas")
+# Internal: what the pallas backend differentiates, the xla references with the chunked core's
+# state pass on the Pallas kernels (`chunk_scan_vjp`, forward and backward).
+VJP_BACKEND = "xla_vjp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +80,13 @@ def stages(backend: str, *, interpret: bool | None = None, precision=None) -> St
     accumulation for bf16) and ignore it.
     """
     prec = to_precision(precision)
-    if backend == "xla":
-        if interpret is not None:
+    if backend in ("xla", VJP_BACKEND):
+        scan = None
+        if backend == VJP_BACKEND:
+            from pallas_kernels.chunk_scan_vjp import chunk_scan_vjp
+
+            scan = functools.partial(chunk_scan_vjp, interpret=interpret)
+        elif interpret is not None:
             raise ValueError(f"interpret={interpret} applies to the pallas backend, not xla")
         bind = functools.partial(functools.partial, precision=prec)
         return Stages(
@@ -86,7 +95,7 @@ def stages(backend: str, *, interpret: bool | None = None, precision=None) -> St
             decode_front=bind(ref.decode_front_reference),
             conv_prefill=ref.conv_prefill_reference,
             decode_core=ref.decode_core_reference,
-            prefill_core=bind(ref.prefill_core_reference),
+            prefill_core=functools.partial(ref.prefill_core_reference, precision=prec, scan=scan),
             prefill_core_packed=bind(ref.prefill_core_packed_reference),
         )
     if backend == "pallas":

@@ -160,9 +160,10 @@ def _differentiable(body, backend: str, return_stages: bool, diff, aux):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _xla_vjp(body, diff, aux):
-    """The pallas kernels forward; backward, `jax.vjp` of the same body on the xla backend,
-    recomputed from the saved inputs (the kernels define no VJP of their own). Both backends
-    compute the same function (SPEC bars), so the gradients are the xla path's."""
+    """The pallas kernels forward; backward, `jax.vjp` of the same body on the xla references
+    with the chunked core's state pass on Pallas kernels (`backends.VJP_BACKEND`), recomputed
+    from the saved inputs. Both compute the same function (SPEC bars), so the gradients are the
+    xla path's."""
     return body("pallas", diff, aux)
 
 
@@ -172,7 +173,7 @@ def _xla_vjp_fwd(body, diff, aux):
 
 def _xla_vjp_bwd(body, res, ct):
     diff, aux = res
-    _, pull = jax.vjp(lambda d: body("xla", d, aux), diff)
+    _, pull = jax.vjp(lambda d: body(backends.VJP_BACKEND, d, aux), diff)
     return pull(ct)[0], None
 
 
@@ -212,7 +213,7 @@ def _rows(
 def _rows_body(params, x, state, slots, cfg, backend, interpret, snapshots, return_stages, prec):
     """`_rows` on one backend (interpret applies to pallas only)."""
     b_, r, d = x.shape
-    interpret = interpret if backend == "pallas" else None
+    interpret = None if backend == "xla" else interpret
     codes = None if slots is None else _slot_codes(slots, state.recurrent.shape[0])
     st = backends.stages(backend, interpret=interpret, precision=prec)
     qkv, f_a, g_a, b = _in_proj(st, params, cfg, x.reshape(b_ * r, d))
@@ -471,7 +472,7 @@ def _prefill_body(
 ):
     """`_prefill` on one backend (interpret applies to pallas only)."""
     b_, t, _ = x.shape
-    interpret = interpret if backend == "pallas" else None
+    interpret = None if backend == "xla" else interpret
     codes = None
     if slots is not None:
         codes = _slot_codes(slots, state.recurrent.shape[0])
@@ -486,7 +487,7 @@ def _prefill_body(
     ok = jnp.minimum(lengths, first_bad)
     if codes is not None:
         ok = jnp.where(codes < 0, 0, ok)
-    if backend == "xla":
+    if backend != "pallas":
         # Gradients flow through this backend: zero the rows the block ignores, or the
         # projections' backward would multiply their zero cotangents by NaN (dW = x^T dy).
         x = jnp.where((pos < ok[:, None])[..., None], x, 0)
@@ -497,7 +498,7 @@ def _prefill_body(
     out, rec, conv, stages = _prefill_rows(
         params, cfg, x, state, ok, poison, codes, backend, interpret, return_stages, precision
     )
-    if backend == "xla":
+    if backend != "pallas":
         out = jnp.where((real & (pos >= ok[:, None]))[..., None], jnp.nan, out)
     poisoned = ok < lengths
 
@@ -757,7 +758,7 @@ def _packed_body(params, x, state, cu, slots, cfg, backend, interpret, precision
     """`_prefill_packed` on one backend (interpret applies to pallas only)."""
     t = x.shape[0]
     m_rows = t // prefix_block if prefix_block else 0
-    interpret = interpret if backend == "pallas" else None
+    interpret = None if backend == "xla" else interpret
     codes = None if slots is None else _slot_codes(slots, state.recurrent.shape[0])
     conv_rows = state.conv if codes is None else ref.pool_rows(state.conv, codes)
     tok = _packed_tokens(x, cu, conv_rows, codes, prefix_block)

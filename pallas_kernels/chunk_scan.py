@@ -92,17 +92,21 @@ def _chunk_scan_kernel(
     pooled: bool,
     packed: bool = False,
     prefix_chunks: int = 0,
+    save: bool = False,
 ):
     """One (sequence, head, V tile): the chunks in order, the state tile in registers. Pooled,
     the state tile is pool[slot, h, :, tile j], read and written back in place; a negative slot
     reads slot 0 (in bounds) and writes nothing. Packed, the sequence's chunks are
     info = (first chunk, end chunk, first prefix row, prefix rows) of the stream; with
     `prefix_chunks` the state after every prefix_chunks of them goes to the next prefix row,
-    as long as rows remain."""
+    as long as rows remain. With `save` (training) it also writes the state before each chunk
+    and each chunk's Delta, what the backward pass (`chunk_scan_vjp`) reads."""
     refs = list(refs)
     slot_ref = refs.pop(0) if pooled else None
     info_ref = refs.pop(0) if packed else None
     o_ref, s_out_ref, *p_refs = refs
+    if save:
+        hs_ref, delta_ref = p_refs
     tile = (Ellipsis,)
     bv = o_ref.shape[-1]
     if pooled:
@@ -126,6 +130,9 @@ def _chunk_scan_kernel(
         s_mm = s_t.astype(mm)  # S^T [BV, K]
         w_s = lax.dot_general(w_ref[rows, :], s_mm, nt, preferred_element_type=f32)
         delta = u_ref[rows, :].astype(f32) - w_s  # [C, BV]
+        if save:
+            hs_ref[n] = s_t.T
+            delta_ref[rows, :] = delta
         # Delta as a sum of mm-dtype parts (hi + lo for bf16: ~16 mantissa bits), so the
         # products with A and kg do not round the delta-rule errors to bf16.
         d_parts = [delta.astype(mm)]
@@ -161,7 +168,15 @@ def _chunk_scan_kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("t", "out_dtype", "block_sizes", "prefix_chunks", "prefix_rows", "interpret"),
+    static_argnames=(
+        "t",
+        "out_dtype",
+        "block_sizes",
+        "prefix_chunks",
+        "prefix_rows",
+        "save_states",
+        "interpret",
+    ),
 )
 def chunk_scan(
     inter: ChunkIntermediates,
@@ -174,6 +189,7 @@ def chunk_scan(
     seq_info: jax.Array | None = None,
     prefix_chunks: int = 0,
     prefix_rows: int = 0,
+    save_states: bool = False,
     interpret: bool | None = None,
 ):
     """The chunk-by-chunk state pass over `chunk_prepare`'s intermediates.
@@ -196,11 +212,13 @@ def chunk_scan(
       prefix_chunks, prefix_rows: packed mode, static: with prefix_chunks > 0, the state after
         every prefix_chunks chunks of sequence q goes to rows first prefix row, +1, ... of a
         third output [prefix_rows, H, K, V], as many as its info allows; other rows undefined.
+      save_states: also return what the backward pass reads (dense rows only): the state
+        before each chunk hs [B, H, N, K, V] fp32 and Delta = u - w S [B, H, N*C, V] fp32.
       interpret: run in Pallas interpret mode (None: when there is no GPU).
     Returns:
       o: [B, T, H, V] out_dtype (0 at pads); new_state: [B, H, K, V] fp32 (with slots, the
       pool; packed, [Q, H, K, V] or the pool); packed with prefix_chunks, also the prefix
-      states.
+      states; with save_states, also hs and Delta.
     """
     bsz, h, tp, kd = inter.qg.shape
     vd = inter.u.shape[-1]
@@ -219,6 +237,8 @@ def chunk_scan(
             )
     elif prefix_chunks or prefix_rows:
         raise ValueError("chunk_scan: prefix states need packed mode (seq_info)")
+    if save_states and (packed or slots is not None):
+        raise ValueError("chunk_scan: save_states takes dense rows (no seq_info, no slots)")
     seqs = seq_info.shape[0] if packed else bsz
     rows = seqs if slots is None else state.shape[0]
     if tuple(state.shape) != (rows, h, kd, vd):
@@ -255,7 +275,18 @@ def chunk_scan(
     if prefix_chunks:
         prefix_shape = (jax.ShapeDtypeStruct((prefix_rows, h, kd, vd), f32),)
         prefix_spec = (pl.no_block_spec,)
-    kernel = functools.partial(_chunk_scan_kernel, chunk=chunk, pooled=slots is not None)
+    if save_states:
+        prefix_shape = (
+            jax.ShapeDtypeStruct((bsz, h, n, kd, vd), f32),
+            jax.ShapeDtypeStruct((bsz, h, tp, vd), f32),
+        )
+        prefix_spec = (
+            pl.BlockSpec((None, None, n, kd, bv), lambda s, hh, j: (s, hh, 0, 0, j)),
+            pl.BlockSpec((None, None, tp, bv), lambda s, hh, j: (s, hh, 0, j)),
+        )
+    kernel = functools.partial(
+        _chunk_scan_kernel, chunk=chunk, pooled=slots is not None, save=save_states
+    )
     if packed:
         kernel = functools.partial(kernel, packed=True, prefix_chunks=prefix_chunks)
     o, new_state, *prefix = pl.pallas_call(

@@ -531,22 +531,6 @@ def _chunk_output(qg, a, h, delta):
     return o + jnp.einsum("...ij,...jv->...iv", a, delta, precision=hi)
 
 
-def _chunk_core(xs, state, scale):
-    """xs = (q, k, v, g, beta) as [N, ..., C, ...] chunks -> (o [N, ..., C, V], final state).
-
-    The intra-chunk stage and the output run over all chunks at once; only the state pass is a
-    scan (two [C, K] x [K, V] products a chunk). The intra-chunk stage is rematerialised in the
-    backward pass (it keeps its inputs, not its [C, C] and [C, K] intermediates)."""
-    qg, kg, w, u, a, gl = jax.checkpoint(_chunk_local, static_argnums=(5,))(*xs, scale)
-
-    def step(h, x):
-        h_next, delta = _state_step(h, *x)
-        return h_next, (h, delta)
-
-    final, (hs, delta) = lax.scan(step, state.astype(kg.dtype), (kg, w, u, gl))
-    return _chunk_output(qg, a, hs, delta), final
-
-
 def chunk_kda_reference(
     q: jax.Array,
     k: jax.Array,
@@ -557,11 +541,15 @@ def chunk_kda_reference(
     *,
     scale: float,
     chunk: int,
+    scan=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked delta-rule prefill (SPEC §5) over T tokens from a carried state.
 
     Pad positions must already be neutral (g = 0, beta = 0, k = 0; `kda_jax` zeroes them from
-    `lengths`), so the state after T tokens equals the state after each row's real tokens.
+    `lengths`), so the state after T tokens equals the state after each row's real tokens. The
+    intra-chunk stage runs over all chunks at once and is rematerialised in the backward pass
+    (it keeps its inputs, not its [C, C] and [C, K] intermediates); the state pass and output
+    are `scan`.
 
     Args:
       q, k: [B, T, H, K] fp32, L2-normalised (q unscaled).
@@ -570,27 +558,18 @@ def chunk_kda_reference(
       beta: [B, T, H] fp32.
       state: [B, H, K, V] fp32.
       chunk: C; T need not be a multiple of it.
+      scan: the state pass, with `chunk_scan_reference`'s signature (None: that function, a
+        `lax.scan`; the pallas backend's backward passes `chunk_scan_vjp.chunk_scan_vjp`).
     Returns:
       o: [B, T, H, V] fp32; new_state: [B, H, K, V] fp32 (float64 for float64 inputs, which
       the gradient checks use).
     """
-    b, t, h, kd = q.shape
-    n = -(-t // chunk)
-    pad = n * chunk - t
+    b, t, h = q.shape[:3]
     dtype = jnp.promote_types(q.dtype, f32)
-
-    def to_chunks(a):
-        a = a.astype(dtype)
-        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-        a = a.reshape(b, n, chunk, *a.shape[2:])  # [B, N, C, H, ...]
-        a = jnp.moveaxis(a, 3, 2)  # [B, N, H, C, ...]
-        return jnp.moveaxis(a, 1, 0)  # [N, B, H, C, ...]
-
-    xs = tuple(to_chunks(a) for a in (q, k, v, g, beta))
-    o, new_state = _chunk_core(xs, state, scale)
-    o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, V]
-    o = jnp.moveaxis(o, 2, 3).reshape(b, n * chunk, h, -1)[:, :t]
-    return o, new_state
+    xs = tuple(_to_chunks(a.astype(dtype), chunk) for a in (q, k, v, g, beta))  # [B, H, N, C, .]
+    *mats, gl = jax.checkpoint(_chunk_local, static_argnums=(5,))(*xs, scale)
+    flat = lambda a: a.reshape(b, h, -1, a.shape[-1])  # noqa: E731 - [B, H, N*C, .]
+    return (scan or chunk_scan_reference)(*map(flat, mats), gl, state.astype(dtype), t=t)
 
 
 # --------------------------------------------------------------------------------------------
@@ -709,6 +688,7 @@ def prefill_core_reference(
     poison: jax.Array | None = None,
     slots: jax.Array | None = None,
     precision=None,
+    scan=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Gate, beta, chunked recurrence and gated RMSNorm over T padded tokens.
 
@@ -725,6 +705,7 @@ def prefill_core_reference(
       slots: [B] int32 or None: state is then a pool [N, H, K, V] whose row slots[b] row b
         starts from and is written back to; a negative slot writes nothing (give it length 0).
       precision: of z's product (None: HIGHEST).
+      scan: the chunked core's state pass (`chunk_kda_reference`).
     Returns:
       y: [B, T, P] out_dtype; new_state: [B, H, K, V] fp32 (with slots, the pool).
     """
@@ -750,6 +731,7 @@ def prefill_core_reference(
             out_dtype=out_dtype,
             poison=poison,
             precision=precision,
+            scan=scan,
         )
         return y, pool_write(state, slots, new_rows)
     t = q.shape[1]
@@ -758,7 +740,7 @@ def prefill_core_reference(
     vm = valid[..., None, None]
     q, k, v, g = (jnp.where(vm, a.astype(f32), 0.0) for a in (q, k, v, g))
     beta = jnp.where(valid[..., None], beta, 0.0)
-    o, new_state = chunk_kda_reference(q, k, v, g, beta, state, scale=scale, chunk=chunk)
+    o, new_state = chunk_kda_reference(q, k, v, g, beta, state, scale=scale, chunk=chunk, scan=scan)
     keep = common.output_keep(lengths, t, poison)
     z = gemv_reference(
         g_a.reshape(-1, g_a.shape[-1]), g_b, out_dtype=f32, bias=g_bias, precision=precision
@@ -940,20 +922,22 @@ def chunk_scan_reference(
       qg, kg, w: [B, H, N*C, K]; u: [B, H, N*C, V]; a: [B, H, N*C, C]; gl: [B, H, N, K]
         (the outputs of `chunk_prepare_reference`); state: [B, H, K, V] fp32; t: T <= N*C.
     Returns:
-      o: [B, T, H, V] fp32; new_state: [B, H, K, V] fp32.
+      o: [B, T, H, V] fp32; new_state: [B, H, K, V] fp32 (float64 for float64 inputs).
     """
     bsz, h, tp, _ = qg.shape
     n, c = gl.shape[2], tp // gl.shape[2]
+    dtype = jnp.promote_types(qg.dtype, f32)  # float64 in the gradient checks
     chunks = lambda x: jnp.moveaxis(  # noqa: E731
-        x.astype(f32).reshape(bsz, h, n, c, x.shape[-1]), 2, 0
+        x.astype(dtype).reshape(bsz, h, n, c, x.shape[-1]), 2, 0
     )
     qg, kg, w, u, a = (chunks(x) for x in (qg, kg, w, u, a))
+    gl = jnp.moveaxis(gl.astype(dtype), 2, 0)
 
     def step(s, x):
         s_next, delta = _state_step(s, *x)
         return s_next, (s, delta)
 
-    new_state, (hs, delta) = lax.scan(step, state.astype(f32), (kg, w, u, jnp.moveaxis(gl, 2, 0)))
+    new_state, (hs, delta) = lax.scan(step, state.astype(dtype), (kg, w, u, gl))
     o = _chunk_output(qg, a, hs, delta)  # [N, B, H, C, V]
     o = jnp.moveaxis(o, 0, 2).reshape(bsz, h, tp, -1)[:, :, :t]
     return jnp.moveaxis(o, 1, 2), new_state

@@ -21,6 +21,7 @@ from pallas_kernels import reference as ref
 from pallas_kernels.chunk import chunk_kda, prefill_core
 from pallas_kernels.chunk_prepare import ChunkIntermediates, PrepareBlockSizes, chunk_prepare
 from pallas_kernels.chunk_scan import ScanBlockSizes, chunk_scan
+from pallas_kernels.chunk_scan_vjp import chunk_scan_vjp
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 EPS = 1e-5
@@ -488,6 +489,75 @@ def test_chunk_kda_zero_length_keeps_state(rng):
 
 
 # ----------------------------------------------------------------------------------------------
+# chunk_scan_vjp: the state pass the pallas backend differentiates
+# ----------------------------------------------------------------------------------------------
+def _scan_vjp_case(inp, chunk, lower_bound, t, seed=3):
+    """The reference's fp32 intermediates, a carried state and random cotangents of o and the
+    final state: (args, cotangents)."""
+    kw = dict(scale=inp[0].shape[-1] ** -0.5, chunk=chunk, lower_bound=lower_bound, mm_dtype=f32)
+    args = (*ref.chunk_prepare_reference(*_prep_args(inp), **kw), inp[7])
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    o_shape = (*inp[2].shape[:3], inp[2].shape[-1])
+    return args, (normal(k1, o_shape), normal(k2, inp[7].shape))
+
+
+def _assert_scan_vjp(args, cts, t, tol):
+    """o, the final state and the gradient of every input against `chunk_scan_reference`'s."""
+    got, pull = jax.vjp(lambda *a: chunk_scan_vjp(*a, t=t), *args)
+    want, pull_ref = jax.vjp(lambda *a: ref.chunk_scan_reference(*a, t=t), *args)
+    for name, g, w in zip(("o", "state"), got, want, strict=True):
+        assert_close(g, w, tol, name)
+    names = (*ChunkIntermediates._fields, "initial state")
+    for name, g, w in zip(names, pull(cts), pull_ref(cts), strict=True):
+        assert_close(g, w, tol, f"d{name}")
+
+
+@pytest.mark.parametrize(
+    "chunk, lower_bound",
+    [(16, None), pytest.param(32, -5.0, marks=pytest.mark.slow)],
+    ids=["c16-unbounded", "c32-bounded"],
+)
+def test_scan_vjp_matches_reference(rng, chunk, lower_bound):
+    """Forward and VJP to qg, kg, w, u, A, exp(G_last) and the carried state, T off the chunk
+    grid (the rows past T get no cotangent), one row shorter than T."""
+    inp = _inputs(rng)
+    args, cts = _scan_vjp_case(inp, chunk, lower_bound, T)
+    _assert_scan_vjp(args, cts, T, FP32_TOL)
+
+
+def test_scan_vjp_rejects_bf16(rng):
+    inp = _inputs(rng)
+    args, _ = _scan_vjp_case(inp, 16, None, T)
+    with pytest.raises(ValueError, match="qg is bfloat16, expected float32"):
+        chunk_scan_vjp(args[0].astype(bf16), *args[1:], t=T)
+
+
+def test_scan_save_states_refuses_pools(rng):
+    inp = _inputs(rng)
+    inter = ChunkIntermediates(*_scan_vjp_case(inp, 16, None, T)[0][:6])
+    with pytest.raises(ValueError, match="save_states takes dense rows"):
+        chunk_scan(inter, inp[7], jnp.arange(B), t=T, save_states=True)
+
+
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_scan_vjp_lowers_for_h200(chunk):
+    """The gradient of the state pass at Kimi-Linear heads builds both kernels' Triton IR."""
+    b, t, h, kd, n = 1, 300, 32, 128, -(-300 // chunk)
+    s = jax.ShapeDtypeStruct
+    mat = lambda d: s((b, h, n * chunk, d), f32)  # noqa: E731
+    args = (mat(kd), mat(kd), mat(kd), mat(kd), mat(chunk), s((b, h, n, kd), f32))
+    args += (s((b, h, kd, kd), f32),)
+
+    def loss(*a):
+        o, st = chunk_scan_vjp(*a, t=t, interpret=False)
+        return jnp.sum(o * o) + jnp.sum(st)
+
+    text = lower_for_h200(jax.grad(loss, argnums=tuple(range(7))), *args)
+    for name in ("kda_chunk_scan", "kda_chunk_scan_bwd"):
+        assert f'"{name}"' in text, name
+
+
+# ----------------------------------------------------------------------------------------------
 # Cross-lowering for an H200 (real Triton IR, no GPU needed)
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("chunk", [32, 64])
@@ -605,3 +675,15 @@ def test_stages_fp32_on_gpu(rng, lower_bound, chunk):
     o_ref, s_ref = ref.chunk_scan_reference(*want, inp[7], t=t)
     assert_close(o, o_ref, FP32_TOL, "scan o")
     assert_close(s, s_ref, FP32_TOL, "scan state")
+
+
+@pytest.mark.gpu(reason="compiled-kernel accuracy at T=4096 needs a GPU")
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
+@pytest.mark.parametrize("decay", ["moderate", "weak"])
+def test_scan_vjp_t4096_on_gpu(rng, lower_bound, decay):
+    """The compiled state pass's VJP (TF32 products) over 128 chunks of Kimi-Linear heads, one
+    row shorter than T, against the reference's (XLA, HIGHEST)."""
+    t, h, kd = 4096, 4, 128
+    inp = _inputs(rng, b=2, t=t, h=h, kd=kd, decay=decay, lengths=[t, t - 77])
+    args, cts = _scan_vjp_case(inp, 32, lower_bound, t)
+    _assert_scan_vjp(args, cts, t, TOL["fp32_gpu"])
