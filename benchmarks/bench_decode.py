@@ -9,7 +9,8 @@ steps (`common.time_loop`); FLA's per-call figure is a CUDA-graph replay, which 
 
 Cases:
 - `decode`: `kda_jax.forward.decode` at B = 1, 8, 64, backends pallas and xla. Floor: the
-  weights read once plus the state read and written, at 4.3 TB/s. Baseline: xla at the same B.
+  weights read once plus the state read and written, at the device's copy bandwidth
+  (`common.bandwidth`: 4.3 TB/s on the H200, 3.0 on the H100). Baseline: xla at the same B.
 - `decode_k`: k = 2, 4, 8 at B = 1 (pallas). Floor: weights once, the state read once and
   written k times (the snapshots). Baseline: one pallas `decode` step.
 - `conv_decode`: the conv + SiLU + L2 stage alone at B = 1, 64 (pallas and xla), so the whole
@@ -67,7 +68,6 @@ from kda_jax.state import KdaState  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
 from pallas_kernels.recurrent import RecurrentBlockSizes, fused_recurrent  # noqa: E402
 
-BANDWIDTH = 4.3e12  # B/s, the H200's measured copy bandwidth (SPEC §9)
 FLA_NAME = "fla 0.6.0 fused_recurrent_kda"
 
 
@@ -110,7 +110,7 @@ def bench_block(cfg, params, batches, n, reps, records, meta):
                 reps,
                 differential=True,
             )
-            floor = (cfg.weight_bytes() + 2 * b * cfg.state_bytes()) / BANDWIDTH * 1e6
+            floor = (cfg.weight_bytes() + 2 * b * cfg.state_bytes()) / common.bandwidth() * 1e6
             shape = f"B={b},D={cfg.hidden},H={cfg.heads},K={cfg.head_dim}"
             base = None if backend == "xla" else times.get(("xla", b))
             times[backend, b] = common.run_case(
@@ -130,7 +130,7 @@ def bench_block(cfg, params, batches, n, reps, records, meta):
             differential=True,
         )
         # The state is read once and written k times (the snapshots).
-        floor = (cfg.weight_bytes() + (1 + k) * b * cfg.state_bytes()) / BANDWIDTH * 1e6
+        floor = (cfg.weight_bytes() + (1 + k) * b * cfg.state_bytes()) / common.bandwidth() * 1e6
         shape = f"B={b},k={k},D={cfg.hidden},H={cfg.heads}"
         common.run_case(
             records,
@@ -168,7 +168,7 @@ def pool_case(cfg, params, b: int, key, k: int = 0, backend: str = "pallas"):
         return y.astype(carry[0].dtype), new
 
     writes = 1 if k == 0 else k  # the new states, or the k snapshots
-    floor = (cfg.weight_bytes() + (1 + writes) * b * cfg.state_bytes()) / BANDWIDTH * 1e6
+    floor = (cfg.weight_bytes() + (1 + writes) * b * cfg.state_bytes()) / common.bandwidth() * 1e6
     return step, (x, pool), floor
 
 
@@ -244,7 +244,7 @@ def core_floor_us(acts, state) -> float:
     read and written, q, k, v, f, beta read and o (the size of v) written in bf16."""
     q, k, v, f, beta, _ = acts
     io_bytes = sum(a.size * a.dtype.itemsize for a in (q, k, v, f, beta)) + v.size * 2
-    return (2 * state.size * 4 + io_bytes) / BANDWIDTH * 1e6
+    return (2 * state.size * 4 + io_bytes) / common.bandwidth() * 1e6
 
 
 def core_carry(acts, state):
@@ -397,7 +397,7 @@ def bench_conv(cfg, params, batches, n, reps, records, meta, tiles=False):
         qkv = jax.random.normal(key, (b, 1, cfg.conv_dim), jnp.float32).astype(jnp.bfloat16)
         conv0 = random_state(cfg, b, key).conv
         # raw inputs (bf16) and q|k|v out (fp32) once, the conv state read and written.
-        floor = (qkv.size * 2 + qkv.size * 4 + 2 * conv0.size * 4) / BANDWIDTH * 1e6
+        floor = (qkv.size * 2 + qkv.size * 4 + 2 * conv0.size * 4) / common.bandwidth() * 1e6
         groups = cfg.conv_dim // cfg.head_dim
         default = ConvBlockSizes.get_default(1, groups, cfg.head_dim)
         variants = [("pallas", conv_decode)] + [

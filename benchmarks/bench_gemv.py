@@ -3,7 +3,7 @@
 Shapes (bf16 weights, Kimi-Linear geometry): w_in [12576, 2304] (58 MB), o_proj [2304, 4096]
 (18.9 MB), f_b [4096, 128] (1 MB); M = 1, 2, 4, 8 activation rows, and 64 (decode at B = 64,
 the kernel's tiling for 9..64 rows). The floor is the weight bytes
-over 4.3 TB/s (the H200's measured copy bandwidth); effective TB/s = weight bytes / time.
+over the device's copy bandwidth (`common.bandwidth`); effective TB/s = weight bytes / time.
 
 Method: one jit runs a `fori_loop` (static trip count) whose body makes at least 16 projection
 calls, each fed the previous call's x perturbed by its output (x += 1e-3 * y[:, :1]), so calls are
@@ -49,7 +49,6 @@ import common  # noqa: E402
 from pallas_kernels import gemv as G  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
 
-HBM_BYTES_PER_S = 4.3e12
 L2_ROTATION_BYTES = 160e6
 MAX_COPIES = 64
 SHAPES = {"w_in": (12576, 2304), "o_proj": (2304, 4096), "f_b": (4096, 128)}
@@ -143,7 +142,7 @@ def main_cases(args, device, target_s, reps):
     for name, (n, d) in SHAPES.items():
         ws = _weights(n, d, jnp.bfloat16)
         nbytes = n * d * 2
-        floor = nbytes / HBM_BYTES_PER_S
+        floor = nbytes / common.bandwidth()
         est = max(floor, 3e-6)
         for m in ms:
             x = jax.random.normal(jax.random.fold_in(key, m), (m, d), jnp.float32).astype(
@@ -217,7 +216,7 @@ def sweep_cases(args, device, target_s, reps):
     for name in ("w_in", "o_proj"):
         n, d = SHAPES[name]
         ws = _weights(n, d, jnp.bfloat16)
-        floor = n * d * 2 / HBM_BYTES_PER_S
+        floor = n * d * 2 / common.bandwidth()
         for m in args.sweep_rows:
             x = jax.random.normal(key, (m, d), jnp.float32).astype(jnp.bfloat16)
             fn = G.gemv if m == 1 else G.gemv_batchm

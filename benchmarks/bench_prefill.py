@@ -65,7 +65,6 @@ from kda_jax.params import init_params  # noqa: E402
 from kda_jax.state import KdaState  # noqa: E402
 from pallas_kernels.chunk import chunk_kda  # noqa: E402
 
-BANDWIDTH = 4.3e12  # B/s, the H200's measured copy bandwidth (SPEC §9)
 PEAK = 790e12  # FLOP/s, bf16 matmul (PALLAS.md)
 FLA_NAME = "fla-0.6.0 chunk_kda"
 LB = -5.0
@@ -86,7 +85,7 @@ def core_bytes(b, t, h, kd, vd):
 def core_floor_us(b, t, h, kd, c):
     """The core's floor at chunk width c: max(FLOP floor, byte floor), in us."""
     return 1e6 * max(
-        chunk_flops(b, t, h, kd, kd, c) / PEAK, core_bytes(b, t, h, kd, kd) / BANDWIDTH
+        chunk_flops(b, t, h, kd, kd, c) / PEAK, core_bytes(b, t, h, kd, kd) / common.bandwidth()
     )
 
 

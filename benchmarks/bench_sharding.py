@@ -8,7 +8,7 @@ baseline of every case is `kda_jax.forward` on one device, same inputs, same bac
 Cases (kimi-linear-48b geometry, bf16 weights, pallas backend, unbounded gate):
 - `prefill_sharded`: B=1 T=8192 and B=4 T=4096 (floor: the block's FLOPs at 790 TFLOP/s, as
   bench_prefill.py's `prefill_block`);
-- `decode_sharded`: B=1, 8, 64 (floor: weights once + the state read and written, 4.3 TB/s).
+- `decode_sharded`: B=1, 8, 64 (floor: weights once + the state read and written, at `common.bandwidth()`).
 Each is one jitted `fori_loop` of dependent calls (`common.time_loop`), median over reps.
 
 Usage: python benchmarks/bench_sharding.py [--mesh DxM] [--quick] [--out PATH]
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
-from bench_prefill import BANDWIDTH, PEAK, block_flops, block_inputs  # noqa: E402
+from bench_prefill import PEAK, block_flops, block_inputs  # noqa: E402
 
 from kda_jax import forward  # noqa: E402
 from kda_jax import sharding as S  # noqa: E402
@@ -109,7 +109,7 @@ def bench(mesh_shape, quick, records, meta):
             f"B={b},D={cfg.hidden},H={cfg.heads}",
             label,
             run,
-            (cfg.weight_bytes() + 2 * b * cfg.state_bytes()) / BANDWIDTH * 1e6,
+            (cfg.weight_bytes() + 2 * b * cfg.state_bytes()) / common.bandwidth() * 1e6,
             base,
             "kda_jax.forward.decode (one device)",
             vs_baseline=lambda us, f=base: round(us / f, 3),

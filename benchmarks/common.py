@@ -55,6 +55,18 @@ def meta() -> dict:
     )
 
 
+# Measured device-to-device copy bandwidth (bytes read + written per second) of the GPUs the
+# benchmarks run on: the byte floors are taken at the bandwidth of the device that ran them.
+COPY_BANDWIDTH = {"H100": 3.0e12, "H200": 4.3e12}
+
+
+def bandwidth() -> float:
+    """B/s for byte floors: the copy bandwidth of this process's GPU (`COPY_BANDWIDTH`); the
+    H200's elsewhere (a CPU run times nothing against it)."""
+    kind = jax.devices()[0].device_kind
+    return next((bw for name, bw in COPY_BANDWIDTH.items() if name in kind), COPY_BANDWIDTH["H200"])
+
+
 def record_key(rec: dict) -> tuple[str, str, str]:
     """What a newer record replaces: the same bench, shape and backend."""
     return rec["bench"], str(rec["shape"]), rec["backend"]

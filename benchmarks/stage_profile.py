@@ -30,7 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
 from bench_prefill import (  # noqa: E402
-    BANDWIDTH,
     L2_EPS,
     LB,
     _core_step,
@@ -188,7 +187,7 @@ def main():
             f"B={b},T={t},C={3 * h * kd}",
             f"block_t={bt},heads={hb},warps={warps}",
             run,
-            2 * b * t * 3 * h * kd * 2 / BANDWIDTH * 1e6,  # bf16 in and out
+            2 * b * t * 3 * h * kd * 2 / common.bandwidth() * 1e6,  # bf16 in and out
             None,
             None,
         )
