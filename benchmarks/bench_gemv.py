@@ -152,13 +152,13 @@ def main_cases(args, device, target_s, reps):
             t_xla = time_calls(ref.gemv_reference, x, ws, est, target_s, reps)
             t_pk = time_calls(kernel, x, ws, est, target_s, reps)
             shape = f"{name} [{n}, {d}] bf16, M={m}"
-            common = dict(
+            shared = dict(
                 tbps=None,
                 weight_bytes=nbytes,
                 copies=len(ws),
                 loop_overhead_us=round(overhead[m] * 1e6, 3),
             )
-            xla_rec = _record(args, device, "gemv", shape, "xla_dot", t_xla, floor, None, **common)
+            xla_rec = _record(args, device, "gemv", shape, "xla_dot", t_xla, floor, None, **shared)
             xla_rec["tbps"] = round(nbytes / t_xla / 1e12, 3)
             pk_rec = _record(
                 args,
@@ -169,7 +169,7 @@ def main_cases(args, device, target_s, reps):
                 t_pk,
                 floor,
                 dict(name="xla_dot", time_us=round(t_xla * 1e6, 3)),
-                **common,
+                **shared,
             )
             pk_rec["tbps"] = round(nbytes / t_pk / 1e12, 3)
             pk_rec["block_sizes"] = dataclasses.asdict(G.GemvBlockSizes.get_default(n, d, m))

@@ -8,7 +8,8 @@ baseline of every case is `kda_jax.forward` on one device, same inputs, same bac
 Cases (kimi-linear-48b geometry, bf16 weights, pallas backend, unbounded gate):
 - `prefill_sharded`: B=1 T=8192 and B=4 T=4096 (floor: the block's FLOPs at 790 TFLOP/s, as
   bench_prefill.py's `prefill_block`);
-- `decode_sharded`: B=1, 8, 64 (floor: weights once + the state read and written, at `common.bandwidth()`).
+- `decode_sharded`: B=1, 8, 64 (floor: weights once + the state read and written, at
+  `common.bandwidth()`).
 Each is one jitted `fori_loop` of dependent calls (`common.time_loop`), median over reps.
 
 Usage: python benchmarks/bench_sharding.py [--mesh DxM] [--quick] [--out PATH]

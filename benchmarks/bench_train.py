@@ -5,7 +5,8 @@ Cases (H=32, K=V=128, both gates; B=1 T=8192, B=4 T=4096, B=8 T=2048):
   gradients of q, k, v, the raw gate, beta, A_log, dt_bias and the initial state for a fixed
   random cotangent of o and of the final state. Backends: `xla` (every stage XLA's, the state
   pass a `lax.scan`) and `pallas` (what the pallas backend's backward runs: the intra-chunk
-  stage XLA's, the state pass on the Pallas kernels of `chunk_scan_vjp`).
+  stage XLA's but its decayed scores, those and the state pass on the Pallas kernels of
+  `chunk_scores` and `chunk_scan_vjp`).
   Baseline: FLA 0.6.0 `chunk_kda` (SPEC §9 options) on the same arrays, `o.backward` through
   torch autograd with the same cotangents, eager (autograd does not replay as a CUDA graph).
 - `train_block`: `forward.prefill` (kimi-linear-48b geometry, bf16 weights), gradients of every
@@ -57,6 +58,7 @@ from kda_jax import forward  # noqa: E402
 from kda_jax.config import DEFAULT_CHUNK  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
 from pallas_kernels.chunk_scan_vjp import chunk_scan_vjp  # noqa: E402
+from pallas_kernels.chunk_scores import chunk_scores  # noqa: E402
 
 SHAPES = [(1, 8192), (4, 4096), (8, 2048)]
 FLA_CORE = "fla-0.6.0 chunk_kda fwd+bwd (torch autograd, eager)"
@@ -69,9 +71,9 @@ def _l2(a):
     return a * jax.lax.rsqrt(jnp.sum(a * a, -1, keepdims=True) + L2_EPS)
 
 
-def core_loss(inputs, cts, lower_bound, chunk=DEFAULT_CHUNK, scan=None):
-    """<o, do> + <final state, ds> of the core on FLA's input set (scan: the state pass, as in
-    `chunk_kda_reference`)."""
+def core_loss(inputs, cts, lower_bound, chunk=DEFAULT_CHUNK, kernels=False):
+    """<o, do> + <final state, ds> of the core on FLA's input set; kernels: the state pass and
+    decayed scores on the Pallas kernels with VJPs (what the pallas backend differentiates)."""
     q, k, v, g, beta, a_log, dt_bias, h0 = inputs
     do, ds = cts
     b, t, h, kd = q.shape
@@ -80,7 +82,7 @@ def core_loss(inputs, cts, lower_bound, chunk=DEFAULT_CHUNK, scan=None):
     )
     o, st = ref.chunk_kda_reference(
         _l2(q), _l2(k), v.astype(jnp.float32), gate, bet, h0, scale=kd**-0.5, chunk=chunk,
-        scan=scan,
+        **(dict(scan=chunk_scan_vjp, scores=chunk_scores) if kernels else {}),
     )  # fmt: skip
     return jnp.sum(o * do) + jnp.sum(st * ds)
 
@@ -147,8 +149,8 @@ def bench_core(shapes, gates, backends, n, reps, records, meta, h=32, kd=128):
             except Exception as e:  # noqa: BLE001 - printed, baseline null
                 print(f"[train_core B={b} T={t} {gate}] FLA failed: {e!r}", file=sys.stderr)
             for backend in backends:
-                scan = chunk_scan_vjp if backend == "pallas" else None
-                grad = jax.grad(functools.partial(core_loss, lower_bound=lb, scan=scan))
+                kernels = backend == "pallas"
+                grad = jax.grad(functools.partial(core_loss, lower_bound=lb, kernels=kernels))
 
                 def step(cts, inputs, grad=grad):
                     return _moved(inputs, grad(inputs, cts))

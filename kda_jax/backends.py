@@ -7,7 +7,8 @@ stream).
 - `xla`: the pure-jnp references (any platform; the CPU default).
 - `pallas`: the Pallas Triton kernels (the GPU default); on a machine without a GPU they run in
   interpret mode, which is slow and meant for tests. Its gradients are those of `xla_vjp`
-  (internal): the xla references with the chunked core's state pass on Pallas kernels.
+  (internal): the xla references with the chunked core's state pass and decayed scores on
+  Pallas kernels.
   `stages("pallas", interpret=False)` gives the compiled kernels on any machine (cross-lowering
   for a GPU), `interpret=True` the interpreted ones on a GPU.
 """
@@ -27,7 +28,7 @@ __all__ = ["BACKENDS", "Stages", "default_backend", "stages"]
 
 BACKENDS = ("xla", "pallas")
 # Internal: what the pallas backend differentiates, the xla references with the chunked core's
-# state pass on the Pallas kernels (`chunk_scan_vjp`, forward and backward).
+# state pass and decayed scores on Pallas kernels with VJPs (`chunk_scan_vjp`, `chunk_scores`).
 VJP_BACKEND = "xla_vjp"
 
 
@@ -81,11 +82,15 @@ def stages(backend: str, *, interpret: bool | None = None, precision=None) -> St
     """
     prec = to_precision(precision)
     if backend in ("xla", VJP_BACKEND):
-        scan = None
+        core = {}
         if backend == VJP_BACKEND:
             from pallas_kernels.chunk_scan_vjp import chunk_scan_vjp
+            from pallas_kernels.chunk_scores import chunk_scores
 
-            scan = functools.partial(chunk_scan_vjp, interpret=interpret)
+            core = dict(
+                scan=functools.partial(chunk_scan_vjp, interpret=interpret),
+                scores=functools.partial(chunk_scores, interpret=interpret),
+            )
         elif interpret is not None:
             raise ValueError(f"interpret={interpret} applies to the pallas backend, not xla")
         bind = functools.partial(functools.partial, precision=prec)
@@ -95,7 +100,7 @@ def stages(backend: str, *, interpret: bool | None = None, precision=None) -> St
             decode_front=bind(ref.decode_front_reference),
             conv_prefill=ref.conv_prefill_reference,
             decode_core=ref.decode_core_reference,
-            prefill_core=functools.partial(ref.prefill_core_reference, precision=prec, scan=scan),
+            prefill_core=functools.partial(ref.prefill_core_reference, precision=prec, **core),
             prefill_core_packed=bind(ref.prefill_core_packed_reference),
         )
     if backend == "pallas":

@@ -161,9 +161,9 @@ def _differentiable(body, backend: str, return_stages: bool, diff, aux):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _xla_vjp(body, diff, aux):
     """The pallas kernels forward; backward, `jax.vjp` of the same body on the xla references
-    with the chunked core's state pass on Pallas kernels (`backends.VJP_BACKEND`), recomputed
-    from the saved inputs. Both compute the same function (SPEC bars), so the gradients are the
-    xla path's."""
+    with the chunked core's state pass and decayed scores on Pallas kernels
+    (`backends.VJP_BACKEND`), recomputed from the saved inputs. Both compute the same function
+    (SPEC bars), so the gradients are the xla path's."""
     return body("pallas", diff, aux)
 
 

@@ -495,18 +495,20 @@ def _chunk_scores(x: jax.Array, y: jax.Array, g: jax.Array, strict: bool) -> jax
     return out + cross.reshape(*x.shape[:-2], c, c)
 
 
-def _chunk_local(q, k, v, g, beta, scale):
+def _chunk_local(q, k, v, g, beta, scale, scores=None):
     """Intra-chunk stage (SPEC §5 steps 1-3) of any number of chunks at once.
 
     q, k, g: [..., C, K]; v: [..., C, V]; beta: [..., C] (pads neutral: g = beta = k = 0).
     Returns (qg, kg, w, u, a, gl): qg = s q exp(G), kg = k exp(G_last - G), w = T(beta k exp(G)),
     u = T(beta v) with T = (I + beta strict-lower(k k^T decayed))^-1, a = s (q k^T decayed, j <= i)
     [..., C, C], gl = exp(G_last) [..., K]; G the inclusive chunk-local cumsum of g.
+    scores: the decayed scores, with `_chunk_scores`'s signature (None: that function).
     """
     c, kd = q.shape[-2:]
+    scores = scores or _chunk_scores
     gc = jnp.cumsum(g, axis=-2)
-    a = scale * _chunk_scores(q, k, gc, False)
-    i_plus_l = jnp.eye(c, dtype=q.dtype) + beta[..., None] * _chunk_scores(k, k, gc, True)
+    a = scale * scores(q, k, gc, False)
+    i_plus_l = jnp.eye(c, dtype=q.dtype) + beta[..., None] * scores(k, k, gc, True)
     rhs = beta[..., None] * jnp.concatenate([k * jnp.exp(gc), v], axis=-1)
     wu = jax.scipy.linalg.solve_triangular(i_plus_l, rhs, lower=True, unit_diagonal=True)
     g_last = gc[..., -1:, :]
@@ -542,6 +544,7 @@ def chunk_kda_reference(
     scale: float,
     chunk: int,
     scan=None,
+    scores=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked delta-rule prefill (SPEC §5) over T tokens from a carried state.
 
@@ -560,6 +563,8 @@ def chunk_kda_reference(
       chunk: C; T need not be a multiple of it.
       scan: the state pass, with `chunk_scan_reference`'s signature (None: that function, a
         `lax.scan`; the pallas backend's backward passes `chunk_scan_vjp.chunk_scan_vjp`).
+      scores: the intra-chunk decayed scores, as in `_chunk_local` (the pallas backend's
+        backward passes `chunk_scores.chunk_scores`).
     Returns:
       o: [B, T, H, V] fp32; new_state: [B, H, K, V] fp32 (float64 for float64 inputs, which
       the gradient checks use).
@@ -567,7 +572,7 @@ def chunk_kda_reference(
     b, t, h = q.shape[:3]
     dtype = jnp.promote_types(q.dtype, f32)
     xs = tuple(_to_chunks(a.astype(dtype), chunk) for a in (q, k, v, g, beta))  # [B, H, N, C, .]
-    *mats, gl = jax.checkpoint(_chunk_local, static_argnums=(5,))(*xs, scale)
+    *mats, gl = jax.checkpoint(_chunk_local, static_argnums=(5, 6))(*xs, scale, scores)
     flat = lambda a: a.reshape(b, h, -1, a.shape[-1])  # noqa: E731 - [B, H, N*C, .]
     return (scan or chunk_scan_reference)(*map(flat, mats), gl, state.astype(dtype), t=t)
 
@@ -689,6 +694,7 @@ def prefill_core_reference(
     slots: jax.Array | None = None,
     precision=None,
     scan=None,
+    scores=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Gate, beta, chunked recurrence and gated RMSNorm over T padded tokens.
 
@@ -705,7 +711,7 @@ def prefill_core_reference(
       slots: [B] int32 or None: state is then a pool [N, H, K, V] whose row slots[b] row b
         starts from and is written back to; a negative slot writes nothing (give it length 0).
       precision: of z's product (None: HIGHEST).
-      scan: the chunked core's state pass (`chunk_kda_reference`).
+      scan, scores: the chunked core's state pass and decayed scores (`chunk_kda_reference`).
     Returns:
       y: [B, T, P] out_dtype; new_state: [B, H, K, V] fp32 (with slots, the pool).
     """
@@ -732,6 +738,7 @@ def prefill_core_reference(
             poison=poison,
             precision=precision,
             scan=scan,
+            scores=scores,
         )
         return y, pool_write(state, slots, new_rows)
     t = q.shape[1]

@@ -22,6 +22,7 @@ from pallas_kernels.chunk import chunk_kda, prefill_core
 from pallas_kernels.chunk_prepare import ChunkIntermediates, PrepareBlockSizes, chunk_prepare
 from pallas_kernels.chunk_scan import ScanBlockSizes, chunk_scan
 from pallas_kernels.chunk_scan_vjp import chunk_scan_vjp
+from pallas_kernels.chunk_scores import chunk_scores
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 EPS = 1e-5
@@ -537,6 +538,41 @@ def test_scan_save_states_refuses_pools(rng):
     inter = ChunkIntermediates(*_scan_vjp_case(inp, 16, None, T)[0][:6])
     with pytest.raises(ValueError, match="save_states takes dense rows"):
         chunk_scan(inter, inp[7], jnp.arange(B), t=T, save_states=True)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["inclusive", "strict"])
+@pytest.mark.parametrize(
+    "chunk, decay", [(32, 0.3), pytest.param(64, 20.0, marks=pytest.mark.slow)],
+    ids=["c32", "c64-strong"],
+)  # fmt: skip
+def test_chunk_scores_match_reference(rng, chunk, decay, strict):
+    """Scores and their VJP against `reference._chunk_scores`, g a chunk-local cumsum of
+    log-decays; strong decay puts exp(g) far past fp32's range (only differences are safe)."""
+    ks = jax.random.split(rng, 4)
+    x, y = normal(ks[0], (2, 3, chunk, K)), normal(ks[1], (2, 3, chunk, K))
+    g = jnp.cumsum(-decay * jnp.exp(normal(ks[2], (2, 3, chunk, K))), axis=-2)
+    ds = normal(ks[3], (2, 3, chunk, chunk))
+    got, pull = jax.vjp(lambda *a: chunk_scores(*a, strict), x, y, g)
+    want, pull_ref = jax.vjp(lambda *a: ref._chunk_scores(*a, strict), x, y, g)
+    assert_close(got, want, FP32_TOL, "scores")
+    for name, a, b in zip(("dx", "dy", "dg"), pull(ds), pull_ref(ds), strict=True):
+        assert_close(a, b, FP32_TOL, name)
+
+
+def test_chunk_scores_reject_bad_shapes(rng):
+    x = normal(rng, (2, 24, K))
+    with pytest.raises(ValueError, match="C=24, K=32: expected C a multiple of 16"):
+        chunk_scores(x, x, x, False)
+
+
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_chunk_scores_lower_for_h200(chunk):
+    """The scores and their VJP at Kimi-Linear heads build their Triton IR."""
+    a = jax.ShapeDtypeStruct((1, 32, 4, chunk, 128), f32)
+    loss = lambda *x: jnp.sum(chunk_scores(*x, True, interpret=False) ** 2)  # noqa: E731
+    text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), a, a, a)
+    for name in ("kda_chunk_scores", "kda_chunk_scores_bwd"):
+        assert f'"{name}"' in text, name
 
 
 @pytest.mark.parametrize("chunk", [32, 64])

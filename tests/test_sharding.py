@@ -3,16 +3,23 @@
 
 from __future__ import annotations
 
+import collections
 import os
+import re
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
-from conftest import RUN_SEED
+from conftest import RUN_SEED, lower_for_h200
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding, use_abstract_mesh
 
+from kda_jax import forward
 from kda_jax import sharding as S
-from kda_jax.config import KdaConfig
+from kda_jax.config import KdaConfig, preset
+from kda_jax.params import KdaParams
+from kda_jax.state import KdaState
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,3 +75,90 @@ def test_w_in_rows_hold_each_shards_heads_then_f_a_g_a():
     want = [*range(0, 32), *range(p, p + 32), *range(2 * p, 2 * p + 32)]
     want += [*range(3 * p, 3 * p + 2 * k), 3 * p + 2 * k, 3 * p + 2 * k + 1]
     assert first == want
+
+
+def _ops(text: str) -> tuple[list[tuple[str, str]], collections.Counter]:
+    """A lowered module's custom calls (target and whole config: kernel IR, grid, warps,
+    aliases) in order, and a count of its other ops. A Mosaic GPU kernel's config is taken
+    without its hash and the per-process counter of its dump name (the n-th lowering of a
+    kernel in a process is named `<name>_n`)."""
+    calls = [
+        (
+            target,
+            re.sub(r"(dump_basename\\00\w+?_)\d+", r"\1", re.sub(r'kernel_hash = ".*?", ', "", c)),
+        )
+        for target, c in re.findall(r"custom_call @(\S+?)\(.*?backend_config = (\{.*)$", text, re.M)
+    ]
+    ops = collections.Counter(re.findall(r"= ((?:stablehlo|sdy)\.\w+)", text))
+    return calls, ops
+
+
+@pytest.mark.parametrize("b_", [1, 8, 64])
+def test_one_device_mesh_decode_lowers_to_the_unsharded_kernels(b_):
+    """On a (1, 1) mesh the sharded decode (kimi-linear-48b, bf16, cross-lowered for an H200)
+    runs the unsharded call's kernels with the same IR, grid, warps and in-place aliases, and
+    adds only reshapes (the per-shard conv_w and conv-state views, free) and sharding
+    constraints: no copy, transpose or gather of a weight or the state."""
+    cfg = preset("kimi-linear-48b")
+    dev = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = AbstractMesh(
+        (1, 1), (S.DATA, S.MODEL), axis_types=(AxisType.Explicit,) * 2, abstract_device=dev
+    )
+    p, k, w = cfg.qkv_dim, cfg.head_dim, cfg.conv_kernel
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    shapes = dict(
+        w_in=((cfg.in_proj_dim, cfg.hidden), bf16),
+        f_b=((p, k), bf16),
+        g_b=((p, k), bf16),
+        conv_w=((3, p, w), f32),
+        a_log=((cfg.heads,), f32),
+        dt_bias=((p,), f32),
+        o_norm_w=((k,), f32),
+        o_proj=((cfg.hidden, p), bf16),
+    )
+    params = KdaParams(
+        **{
+            n: jax.ShapeDtypeStruct(s if n != "conv_w" else (3 * p, w), d)
+            for n, (s, d) in shapes.items()
+        }
+    )
+    x = jax.ShapeDtypeStruct((b_, cfg.hidden), bf16)
+    state = KdaState(
+        recurrent=jax.ShapeDtypeStruct(cfg.recurrent_state_shape(b_), f32),
+        conv=jax.ShapeDtypeStruct(cfg.conv_state_shape(b_), f32),
+    )
+    plain = lower_for_h200(
+        lambda p_, x_, s_: forward.decode(p_, cfg, x_, s_, backend="pallas", interpret=False),
+        params,
+        x,
+        state,
+        donate_argnums=2,
+    )
+
+    def placed(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    specs = S.ShardedParams(**S._SHARDED_SPECS, mesh=mesh)
+    sp = specs.replace(**{n: placed(*shapes[n], getattr(specs, n)) for n in shapes})
+    st = S.state_specs()
+    ss = KdaState(
+        recurrent=placed(state.recurrent.shape, f32, st.recurrent),
+        conv=placed((b_, w - 1, 3, p), f32, st.conv),
+    )
+    xs = placed(x.shape, bf16, jax.P(S.DATA))
+    # S.decode's checks want a concrete Mesh; its jitted body takes the abstract one.
+    fn = lambda p_, x_, s_: S._decode(p_, cfg, x_, s_, backend="pallas", interpret=False)  # noqa: E731
+    with use_abstract_mesh(mesh):
+        sharded = (
+            jax.jit(fn, donate_argnums=2).trace(sp, xs, ss).lower(lowering_platforms=("cuda",))
+        )
+    calls, ops = _ops(plain)
+    got_calls, got_ops = _ops(sharded.as_text())
+    assert len(calls) == 5, [c[0] for c in calls]
+    assert [c[0] for c in got_calls] == [c[0] for c in calls]
+    for i, (a, b) in enumerate(zip(got_calls, calls, strict=True)):
+        assert a[1] == b[1], f"kernel {i} ({a[0]}) lowers differently on the mesh"
+    extra = {op for op, n in (got_ops - ops).items() if n}
+    assert extra <= {"stablehlo.reshape", "sdy.sharding_constraint"}, extra
+    donated = re.findall(r"tf\.aliasing_output = (\d+)", sharded.as_text())
+    assert donated == ["1", "2"], f"the donated state's outputs: {donated}"

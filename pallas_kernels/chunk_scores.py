@@ -1,0 +1,176 @@
+"""Decayed scores of whole chunks on the Triton backend, with a VJP: what the pallas backend's
+backward forms its intra-chunk stage with (the reference is `reference._chunk_scores`).
+
+    S_ij = sum_k x_ik y_jk exp(g_ik - g_jk)  for j <= i (j < i if strict), else 0      [C, C]
+
+g is a chunk-local cumsum of log-decays (non-increasing along C), so exp(g_i - g_j) <= 1 where
+S is formed, but exp(g_i) alone may overflow (the unbounded gate). One program per chunk walks
+16-row sub-blocks: a block below the diagonal factors through the first row r of its row block,
+exp(g_i - g_r) exp(g_r - g_j) with both exponents <= 0, into one [16, K] x [K, 16] product; the
+diagonal block is formed column by column, its exponents masked to -inf above the diagonal
+before the exp. The VJP is the same walk (dx, dy, and dg = x dx - y dy), one program per chunk
+and K slice, since every gradient is elementwise in K once dS is known.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels import common
+
+__all__ = ["chunk_scores"]
+
+f32 = jnp.float32
+SUB = 16  # rows of a sub-block: the smallest Triton dot side
+_NT = (((1,), (1,)), ((), ()))  # x @ y.T
+_TN = (((0,), (0,)), ((), ()))  # x.T @ y
+_BLOCK_K = 32  # K slice of the VJP's programs and of the forward's loop
+
+
+def _diag_exponent(g_blk, g_row, j: int, strict: bool):
+    """g_i - g_j on a sub-block's rows i for its row j, -inf where j > i (j >= i if strict)."""
+    i = lax.broadcasted_iota(jnp.int32, g_blk.shape, 0)
+    keep = i > j if strict else i >= j
+    return jnp.where(keep, g_blk - g_row, -jnp.inf)
+
+
+def _scores_kernel(x_ref, y_ref, g_ref, s_ref, *, strict: bool):
+    c, kd = x_ref.shape
+    n = c // SUB
+    col = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+    blocks = {}
+    for ks in range(0, kd, _BLOCK_K):  # K slices: [16, BK] temporaries
+        kk = pl.ds(ks, _BLOCK_K)
+        for bi in range(n):
+            rows = pl.ds(bi * SUB, SUB)
+            x_i, g_i = x_ref[rows, kk], g_ref[rows, kk]
+            g_r = g_ref[pl.ds(bi * SUB, 1), kk]
+            x_r = x_i * jnp.exp(g_i - g_r)
+            for bj in range(bi):
+                cols = pl.ds(bj * SUB, SUB)
+                y_r = y_ref[cols, kk] * jnp.exp(g_r - g_ref[cols, kk])
+                part = lax.dot_general(x_r, y_r, _NT, preferred_element_type=f32)
+                blocks[bi, bj] = blocks.get((bi, bj), 0.0) + part
+            diag = blocks.get((bi, bi), jnp.zeros((SUB, SUB), f32))
+            for j in range(SUB):
+                row = pl.ds(bi * SUB + j, 1)
+                e = jnp.exp(_diag_exponent(g_i, g_ref[row, kk], j, strict))
+                s_j = jnp.sum(x_i * y_ref[row, kk] * e, axis=1, keepdims=True)  # [16, 1]
+                diag = diag + jnp.where(col == j, s_j, 0.0)
+            blocks[bi, bi] = diag
+    for bi in range(n):
+        for bj in range(n):
+            out = blocks[bi, bj] if bj <= bi else jnp.zeros((SUB, SUB), f32)
+            s_ref[pl.ds(bi * SUB, SUB), pl.ds(bj * SUB, SUB)] = out
+
+
+def _scores_bwd_kernel(ds_ref, x_ref, y_ref, g_ref, dx_ref, dy_ref, dg_ref, *, strict: bool):
+    c, bk = x_ref.shape
+    n = c // SUB
+    col = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+    row_ids = lax.broadcasted_iota(jnp.int32, (SUB, bk), 0)
+    dx = [jnp.zeros((SUB, bk), f32) for _ in range(n)]
+    dy = [jnp.zeros((SUB, bk), f32) for _ in range(n)]
+    for bi in range(n):
+        rows = pl.ds(bi * SUB, SUB)
+        x_i, g_i = x_ref[rows, :], g_ref[rows, :]
+        g_r = g_ref[pl.ds(bi * SUB, 1), :]
+        e_ir = jnp.exp(g_i - g_r)
+        for bj in range(bi):
+            cols = pl.ds(bj * SUB, SUB)
+            ds_ij = ds_ref[rows, cols]
+            e_rj = jnp.exp(g_r - g_ref[cols, :])
+            y_r = y_ref[cols, :] * e_rj
+            dx[bi] += e_ir * jnp.dot(ds_ij, y_r, preferred_element_type=f32)
+            dy[bj] += e_rj * lax.dot_general(ds_ij, x_i * e_ir, _TN, preferred_element_type=f32)
+        ds_ii = ds_ref[rows, pl.ds(bi * SUB, SUB)]
+        for j in range(SUB):
+            row = pl.ds(bi * SUB + j, 1)
+            e = jnp.exp(_diag_exponent(g_i, g_ref[row, :], j, strict))  # 0 where masked
+            d_j = jnp.sum(jnp.where(col == j, ds_ii, 0.0), axis=1, keepdims=True)  # [16, 1]
+            dx[bi] += d_j * y_ref[row, :] * e
+            dy_j = jnp.sum(d_j * x_i * e, axis=0, keepdims=True)  # [1, BK]
+            dy[bi] += jnp.where(row_ids == j, dy_j, 0.0)
+    for bi in range(n):
+        rows = pl.ds(bi * SUB, SUB)
+        dx_ref[rows, :] = dx[bi]
+        dy_ref[rows, :] = dy[bi]
+        dg_ref[rows, :] = x_ref[rows, :] * dx[bi] - y_ref[rows, :] * dy[bi]
+
+
+def _check(x, y, g):
+    c, kd = x.shape[-2:]
+    if x.shape != y.shape or x.shape != g.shape:
+        raise ValueError(
+            f"chunk_scores: x, y, g have shapes {x.shape}, {y.shape}, {g.shape}; expected equal"
+        )
+    if c % SUB or kd % _BLOCK_K:
+        raise ValueError(
+            f"chunk_scores: C={c}, K={kd}: expected C a multiple of {SUB}, K of {_BLOCK_K}"
+        )
+    for name, a in zip("xyg", (x, y, g), strict=True):
+        if a.dtype != f32:
+            raise ValueError(f"chunk_scores: {name} is {a.dtype}, expected float32")
+
+
+def _forward(strict, interpret, x, y, g):
+    lead, (c, kd) = x.shape[:-2], x.shape[-2:]
+    flat = lambda a: a.reshape(-1, c, kd)  # noqa: E731
+    units = flat(x).shape[0]
+    blk = pl.BlockSpec((None, c, kd), lambda u: (u, 0, 0))
+    s = pl.pallas_call(
+        functools.partial(_scores_kernel, strict=strict),
+        out_shape=jax.ShapeDtypeStruct((units, c, c), f32),
+        grid=(units,),
+        in_specs=[blk, blk, blk],
+        out_specs=pl.BlockSpec((None, c, c), lambda u: (u, 0, 0)),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        name="kda_chunk_scores",
+        interpret=interpret,
+    )(flat(x), flat(y), flat(g))
+    return s.reshape(*lead, c, c)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _scores(strict, interpret, x, y, g):
+    return _forward(strict, interpret, x, y, g)
+
+
+def _scores_fwd(strict, interpret, x, y, g):
+    return _forward(strict, interpret, x, y, g), (x, y, g)
+
+
+def _scores_bwd(strict, interpret, res, ds):
+    x, y, g = res
+    lead, (c, kd) = x.shape[:-2], x.shape[-2:]
+    flat = lambda a: a.reshape(-1, *a.shape[-2:])  # noqa: E731
+    units = flat(x).shape[0]
+    blk = pl.BlockSpec((None, c, _BLOCK_K), lambda u, kk: (u, 0, kk))
+    out = jax.ShapeDtypeStruct((units, c, kd), f32)
+    grads = pl.pallas_call(
+        functools.partial(_scores_bwd_kernel, strict=strict),
+        out_shape=(out, out, out),
+        grid=(units, kd // _BLOCK_K),
+        in_specs=[pl.BlockSpec((None, c, c), lambda u, kk: (u, 0, 0)), blk, blk, blk],
+        out_specs=(blk, blk, blk),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        name="kda_chunk_scores_bwd",
+        interpret=interpret,
+    )(flat(ds.astype(f32)), flat(x), flat(y), flat(g))
+    return tuple(a.reshape(*lead, c, kd) for a in grads)
+
+
+_scores.defvjp(_scores_fwd, _scores_bwd)
+
+
+def chunk_scores(x, y, g, strict: bool, *, interpret: bool | None = None) -> jax.Array:
+    """`reference._chunk_scores` (x, y, g: [..., C, K] fp32 -> [..., C, C]) on the Pallas
+    kernels, differentiable in x, y and g."""
+    _check(x, y, g)
+    return _scores(bool(strict), common.resolve_interpret(interpret), x, y, g)
