@@ -8,9 +8,8 @@ stream).
 - `pallas`: the Pallas Triton kernels (the GPU default); on a machine without a GPU they run in
   interpret mode, which is slow and meant for tests. Its gradients are those of `xla_vjp`
   (internal): the xla references with the chunked core's state pass and decayed scores on
-  Pallas kernels.
-  `stages("pallas", interpret=False)` gives the compiled kernels on any machine (cross-lowering
-  for a GPU), `interpret=True` the interpreted ones on a GPU.
+  Pallas kernels. `stages("pallas", interpret=False)` gives the compiled kernels on any
+  machine (cross-lowering for a GPU), `interpret=True` the interpreted ones on a GPU.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ f32 = jnp.float32
 SUB = 16  # rows of a sub-block: the smallest Triton dot side
 _NT = (((1,), (1,)), ((), ()))  # x @ y.T
 _TN = (((0,), (0,)), ((), ()))  # x.T @ y
-_BLOCK_K = 32  # K slice of the VJP's programs and of the forward's loop
+_BLOCK_K = 32  # K slice of the VJP's programs and of the forward's loop (K itself if smaller)
 
 
 def _diag_exponent(g_blk, g_row, j: int, strict: bool):
@@ -40,13 +40,17 @@ def _diag_exponent(g_blk, g_row, j: int, strict: bool):
     return jnp.where(keep, g_blk - g_row, -jnp.inf)
 
 
+def _block_k(kd: int) -> int:
+    return min(_BLOCK_K, kd)
+
+
 def _scores_kernel(x_ref, y_ref, g_ref, s_ref, *, strict: bool):
     c, kd = x_ref.shape
-    n = c // SUB
+    n, bk = c // SUB, _block_k(kd)
     col = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
     blocks = {}
-    for ks in range(0, kd, _BLOCK_K):  # K slices: [16, BK] temporaries
-        kk = pl.ds(ks, _BLOCK_K)
+    for ks in range(0, kd, bk):  # K slices: [16, BK] temporaries
+        kk = pl.ds(ks, bk)
         for bi in range(n):
             rows = pl.ds(bi * SUB, SUB)
             x_i, g_i = x_ref[rows, kk], g_ref[rows, kk]
@@ -110,9 +114,10 @@ def _check(x, y, g):
         raise ValueError(
             f"chunk_scores: x, y, g have shapes {x.shape}, {y.shape}, {g.shape}; expected equal"
         )
-    if c % SUB or kd % _BLOCK_K:
+    if c % SUB or kd % _block_k(kd) or kd < SUB:
         raise ValueError(
-            f"chunk_scores: C={c}, K={kd}: expected C a multiple of {SUB}, K of {_BLOCK_K}"
+            f"chunk_scores: C={c}, K={kd}: expected C a multiple of {SUB} and K a multiple of "
+            f"{_BLOCK_K} or a power of two >= {SUB}"
         )
     for name, a in zip("xyg", (x, y, g), strict=True):
         if a.dtype != f32:
@@ -151,12 +156,13 @@ def _scores_bwd(strict, interpret, res, ds):
     lead, (c, kd) = x.shape[:-2], x.shape[-2:]
     flat = lambda a: a.reshape(-1, *a.shape[-2:])  # noqa: E731
     units = flat(x).shape[0]
-    blk = pl.BlockSpec((None, c, _BLOCK_K), lambda u, kk: (u, 0, kk))
+    bk = _block_k(kd)
+    blk = pl.BlockSpec((None, c, bk), lambda u, kk: (u, 0, kk))
     out = jax.ShapeDtypeStruct((units, c, kd), f32)
     grads = pl.pallas_call(
         functools.partial(_scores_bwd_kernel, strict=strict),
         out_shape=(out, out, out),
-        grid=(units, kd // _BLOCK_K),
+        grid=(units, kd // bk),
         in_specs=[pl.BlockSpec((None, c, c), lambda u, kk: (u, 0, 0)), blk, blk, blk],
         out_specs=(blk, blk, blk),
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),

@@ -542,15 +542,17 @@ def test_scan_save_states_refuses_pools(rng):
 
 @pytest.mark.parametrize("strict", [False, True], ids=["inclusive", "strict"])
 @pytest.mark.parametrize(
-    "chunk, decay", [(32, 0.3), pytest.param(64, 20.0, marks=pytest.mark.slow)],
-    ids=["c32", "c64-strong"],
+    "chunk, kd, decay",
+    [(32, K, 0.3), (16, 16, 0.3), pytest.param(64, 64, 20.0, marks=pytest.mark.slow)],
+    ids=["c32-k32", "c16-k16", "c64-k64-strong"],
 )  # fmt: skip
-def test_chunk_scores_match_reference(rng, chunk, decay, strict):
+def test_chunk_scores_match_reference(rng, chunk, kd, decay, strict):
     """Scores and their VJP against `reference._chunk_scores`, g a chunk-local cumsum of
-    log-decays; strong decay puts exp(g) far past fp32's range (only differences are safe)."""
+    log-decays (K = 16 is narrower than one K slice; K = 64 takes two); strong decay puts
+    exp(g) far past fp32's range (only differences are safe)."""
     ks = jax.random.split(rng, 4)
-    x, y = normal(ks[0], (2, 3, chunk, K)), normal(ks[1], (2, 3, chunk, K))
-    g = jnp.cumsum(-decay * jnp.exp(normal(ks[2], (2, 3, chunk, K))), axis=-2)
+    x, y = normal(ks[0], (2, 3, chunk, kd)), normal(ks[1], (2, 3, chunk, kd))
+    g = jnp.cumsum(-decay * jnp.exp(normal(ks[2], (2, 3, chunk, kd))), axis=-2)
     ds = normal(ks[3], (2, 3, chunk, chunk))
     got, pull = jax.vjp(lambda *a: chunk_scores(*a, strict), x, y, g)
     want, pull_ref = jax.vjp(lambda *a: ref._chunk_scores(*a, strict), x, y, g)
@@ -561,7 +563,7 @@ def test_chunk_scores_match_reference(rng, chunk, decay, strict):
 
 def test_chunk_scores_reject_bad_shapes(rng):
     x = normal(rng, (2, 24, K))
-    with pytest.raises(ValueError, match="C=24, K=32: expected C a multiple of 16"):
+    with pytest.raises(ValueError, match="C=24, K=32: expected C a multiple of 16 and K"):
         chunk_scores(x, x, x, False)
 
 
