@@ -49,6 +49,9 @@ TOL = dict(
     f64_unit_norm=dict(rtol=1e-5),  # the oracle's L2-normalised q heads
     f64_core=dict(rtol=1e-4, atol=1e-6),  # core output, a K-long dot of normalised vectors
     f64_loop=dict(rtol=1e-4, atol=1e-5),  # outputs and state after 9 tokens of the recurrence
+    # Two float64 derivatives of one function (a hand-written VJP and autodiff of another
+    # algorithm): equal to float64 rounding of C-long sums.
+    f64_same_derivative=dict(rtol=1e-10, atol=1e-12),
     # chunk_prepare's inverse on an ill-conditioned chunk, on a CPU, vs a float64 solve: at most
     # this many times fp32 solve_triangular's own error, with a floor where both are tiny.
     solve_vs_fp32_solve=4.0,

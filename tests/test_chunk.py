@@ -9,6 +9,7 @@ compiles the kernels and checks the bf16 path at T=4096, H=32, K=128 against the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ON_GPU, TOL, assert_close, lower_for_h200, normal, rel_rms
+from jax.scipy.linalg import solve_triangular
 
 from pallas_kernels import reference as ref
 from pallas_kernels.chunk import chunk_kda, prefill_core
@@ -267,7 +269,7 @@ def test_prepare_strong_decay_is_finite_and_exact(rng):
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
 def test_prepare_inverse_vs_float64_solve(rng, lower_bound):
     """(I+L)^-1 against a float64 solve, on an ill-conditioned chunk (correlated keys, beta near
-    1, weak decay): no worse than fp32 solve_triangular. The diagonal blocks come from the
+    1, weak decay): no worse than the fp32 reference's solve. The diagonal blocks come from the
     diagonal kernel's forward substitution, the off-diagonal blocks from block substitution."""
     # Weak decay: unbounded exp(A_log) ~ e^-6; bounded lb sigmoid(exp(A_log) u) with A_log ~ 0
     # and u ~ -8, ~2e-3 per token.
@@ -303,7 +305,7 @@ def test_prepare_inverse_vs_float64_solve(rng, lower_bound):
     err_fp32 = rel_rms(fp32_solve[0], u64)
     print(
         f"cond(I+L) = {cond:.1e}; rel RMS vs float64: kernel {err_kernel:.2e}, "
-        f"fp32 solve_triangular {err_fp32:.2e}"
+        f"fp32 reference {err_fp32:.2e}"
     )
     assert cond > 10.0, "the chunk must be ill-conditioned for this test to mean anything"
     if ON_GPU:
@@ -312,6 +314,41 @@ def test_prepare_inverse_vs_float64_solve(rng, lower_bound):
         assert err_kernel < TOL["fp32_gpu"]
     else:
         assert err_kernel < max(TOL["solve_vs_fp32_solve"] * err_fp32, TOL["solve_floor"])
+
+
+@pytest.mark.parametrize("c", [16, 32, 64])
+def test_unit_lower_solve_against_float64_and_its_gradient(rng, c):
+    """The reference's solve (inverse by block doubling): on ill-conditioned unit lower
+    matrices (correlated keys, beta near 1) with junk above the diagonal, fp32 error no worse
+    than fp32 solve_triangular's against float64; its VJP equals autodiff of
+    solve_triangular in float64 (zero on and above the diagonal)."""
+    k1, k2, k3, k4 = jax.random.split(rng, 4)
+    keys = normal(k1, (1, 128)) + 0.25 * normal(k2, (12, c, 128))
+    keys = keys / jnp.linalg.norm(keys, axis=-1, keepdims=True)
+    m = jnp.eye(c) + 0.95 * jnp.tril(keys @ jnp.swapaxes(keys, -1, -2), -1)
+    m = m + jnp.triu(normal(k3, (c, c)), 1)
+    rhs = normal(k4, (12, c, 96))
+    m64, rhs64 = np.asarray(m, np.float64), np.asarray(rhs, np.float64)
+    want = np.linalg.solve(np.tril(m64, -1) + np.eye(c), rhs64)
+    assert np.linalg.cond(np.tril(m64[0], -1) + np.eye(c)) > 10.0, "ill-conditioned"
+    err = rel_rms(ref.unit_lower_solve(m, rhs), want)
+    err_ts = rel_rms(solve_triangular(m, rhs, lower=True, unit_diagonal=True), want)
+    assert err < max(TOL["solve_vs_fp32_solve"] * err_ts, TOL["solve_floor"]), (err, err_ts)
+    with jax.enable_x64(True):
+        m64, rhs64 = jnp.asarray(m64), jnp.asarray(rhs64)
+        ct = jnp.asarray(np.asarray(normal(k1, rhs.shape), np.float64))
+        f = lambda s: lambda m_, r_: jnp.sum(s(m_, r_) * ct)  # noqa: E731
+        got = jax.grad(f(ref.unit_lower_solve), (0, 1))(m64, rhs64)
+        tri = functools.partial(solve_triangular, lower=True, unit_diagonal=True)
+        exp = jax.grad(f(tri), (0, 1))(m64, rhs64)
+    for name, a, b in zip(("dm", "drhs"), got, exp, strict=True):
+        np.testing.assert_allclose(a, b, **TOL["f64_same_derivative"], err_msg=name)
+    np.testing.assert_array_equal(np.triu(np.asarray(got[0])), 0.0)
+
+
+def test_unit_lower_solve_refuses_widths_off_powers_of_two():
+    with pytest.raises(ValueError, match="C = 24: expected a power of two"):
+        ref.unit_lower_solve(jnp.eye(24), jnp.ones((24, 4)))
 
 
 # ----------------------------------------------------------------------------------------------
