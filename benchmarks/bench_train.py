@@ -73,7 +73,8 @@ def _l2(a):
 
 def core_loss(inputs, cts, lower_bound, chunk=DEFAULT_CHUNK, kernels=False):
     """<o, do> + <final state, ds> of the core on FLA's input set; kernels: the state pass and
-    decayed scores on the Pallas kernels with VJPs (what the pallas backend differentiates)."""
+    decayed scores on the Pallas kernels with VJPs and the intra-chunk stage not
+    rematerialised (what the pallas backend differentiates)."""
     q, k, v, g, beta, a_log, dt_bias, h0 = inputs
     do, ds = cts
     b, t, h, kd = q.shape
@@ -82,7 +83,7 @@ def core_loss(inputs, cts, lower_bound, chunk=DEFAULT_CHUNK, kernels=False):
     )
     o, st = ref.chunk_kda_reference(
         _l2(q), _l2(k), v.astype(jnp.float32), gate, bet, h0, scale=kd**-0.5, chunk=chunk,
-        **(dict(scan=chunk_scan_vjp, scores=chunk_scores) if kernels else {}),
+        **(dict(scan=chunk_scan_vjp, scores=chunk_scores, remat=False) if kernels else {}),
     )  # fmt: skip
     return jnp.sum(o * do) + jnp.sum(st * ds)
 

@@ -89,6 +89,7 @@ def stages(backend: str, *, interpret: bool | None = None, precision=None) -> St
             core = dict(
                 scan=functools.partial(chunk_scan_vjp, interpret=interpret),
                 scores=functools.partial(chunk_scores, interpret=interpret),
+                remat=False,  # inside forward._xla_vjp, which saves only the block's inputs
             )
         elif interpret is not None:
             raise ValueError(f"interpret={interpret} applies to the pallas backend, not xla")

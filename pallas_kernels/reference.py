@@ -525,9 +525,7 @@ def unit_lower_solve(m: jax.Array, rhs: jax.Array) -> jax.Array:
     """m^-1 rhs for unit lower-triangular m [..., C, C] (diagonal and upper part ignored, as
     `solve_triangular(..., lower=True, unit_diagonal=True)`), rhs [..., C, N]. The VJP reuses
     the forward's inverse: d rhs = m^-T dx, d m = -strict_lower(d rhs x^T)."""
-    return jnp.einsum(
-        "...ij,...jn->...in", _unit_lower_inverse(m), rhs, precision=lax.Precision.HIGHEST
-    )
+    return _unit_lower_solve_fwd(m, rhs)[0]
 
 
 def _unit_lower_solve_fwd(m, rhs):
@@ -597,14 +595,15 @@ def chunk_kda_reference(
     chunk: int,
     scan=None,
     scores=None,
+    remat: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked delta-rule prefill (SPEC §5) over T tokens from a carried state.
 
     Pad positions must already be neutral (g = 0, beta = 0, k = 0; `kda_jax` zeroes them from
     `lengths`), so the state after T tokens equals the state after each row's real tokens. The
-    intra-chunk stage runs over all chunks at once and is rematerialised in the backward pass
-    (it keeps its inputs, not its [C, C] and [C, K] intermediates); the state pass and output
-    are `scan`.
+    intra-chunk stage runs over all chunks at once, rematerialised in the backward pass if
+    `remat` (it then keeps its inputs, not its [C, C] and [C, K] intermediates); the state pass
+    and output are `scan`.
 
     Args:
       q, k: [B, T, H, K] fp32, L2-normalised (q unscaled).
@@ -617,6 +616,9 @@ def chunk_kda_reference(
         `lax.scan`; the pallas backend's backward passes `chunk_scan_vjp.chunk_scan_vjp`).
       scores: the intra-chunk decayed scores, as in `_chunk_local` (the pallas backend's
         backward passes `chunk_scores.chunk_scores`).
+      remat: False where the caller's own VJP already saves only its inputs (the pallas
+        backend's backward): its intermediates then live for one backward pass only, and the
+        intra-chunk stage is not computed a second time.
     Returns:
       o: [B, T, H, V] fp32; new_state: [B, H, K, V] fp32 (float64 for float64 inputs, which
       the gradient checks use).
@@ -624,7 +626,8 @@ def chunk_kda_reference(
     b, t, h = q.shape[:3]
     dtype = jnp.promote_types(q.dtype, f32)
     xs = tuple(_to_chunks(a.astype(dtype), chunk) for a in (q, k, v, g, beta))  # [B, H, N, C, .]
-    *mats, gl = jax.checkpoint(_chunk_local, static_argnums=(5, 6))(*xs, scale, scores)
+    local = jax.checkpoint(_chunk_local, static_argnums=(5, 6)) if remat else _chunk_local
+    *mats, gl = local(*xs, scale, scores)
     flat = lambda a: a.reshape(b, h, -1, a.shape[-1])  # noqa: E731 - [B, H, N*C, .]
     return (scan or chunk_scan_reference)(*map(flat, mats), gl, state.astype(dtype), t=t)
 
@@ -747,6 +750,7 @@ def prefill_core_reference(
     precision=None,
     scan=None,
     scores=None,
+    remat: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Gate, beta, chunked recurrence and gated RMSNorm over T padded tokens.
 
@@ -763,7 +767,8 @@ def prefill_core_reference(
       slots: [B] int32 or None: state is then a pool [N, H, K, V] whose row slots[b] row b
         starts from and is written back to; a negative slot writes nothing (give it length 0).
       precision: of z's product (None: HIGHEST).
-      scan, scores: the chunked core's state pass and decayed scores (`chunk_kda_reference`).
+      scan, scores, remat: the chunked core's state pass, decayed scores and rematerialisation
+        (`chunk_kda_reference`).
     Returns:
       y: [B, T, P] out_dtype; new_state: [B, H, K, V] fp32 (with slots, the pool).
     """
@@ -791,6 +796,7 @@ def prefill_core_reference(
             precision=precision,
             scan=scan,
             scores=scores,
+            remat=remat,
         )
         return y, pool_write(state, slots, new_rows)
     t = q.shape[1]
@@ -799,7 +805,9 @@ def prefill_core_reference(
     vm = valid[..., None, None]
     q, k, v, g = (jnp.where(vm, a.astype(f32), 0.0) for a in (q, k, v, g))
     beta = jnp.where(valid[..., None], beta, 0.0)
-    o, new_state = chunk_kda_reference(q, k, v, g, beta, state, scale=scale, chunk=chunk, scan=scan)
+    o, new_state = chunk_kda_reference(
+        q, k, v, g, beta, state, scale=scale, chunk=chunk, scan=scan, scores=scores, remat=remat
+    )
     keep = common.output_keep(lengths, t, poison)
     z = gemv_reference(
         g_a.reshape(-1, g_a.shape[-1]), g_b, out_dtype=f32, bias=g_bias, precision=precision

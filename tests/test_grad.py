@@ -5,7 +5,9 @@ the xla path's gradients are held to the token-by-token oracle's in test_forward
 
 from __future__ import annotations
 
+import collections
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +139,20 @@ def test_module_trains_on_pallas_under_remat_as_on_xla(rng):
     assert got_l[-1] < got_l[0], f"loss did not fall: {got_l}"
     np.testing.assert_allclose(got_l, want_l, rtol=FP32_TOL)
     _assert_grads_match(got_d, want_d, "weight updates after 3 steps")
+
+
+def test_pallas_backward_runs_the_chunk_kernels_once(rng):
+    """The pallas backend's backward (padded prefill) forms the decayed scores and the state
+    pass with their kernels and VJPs, and computes the intra-chunk stage once: two score
+    kernels forward (q-k, k-k) and two backward, one scan forward and one backward."""
+    cfg, p, s0, key = _setup("tiny", rng)
+    x = jax.random.normal(key, (2, 37, cfg.hidden))
+    jaxpr = jax.make_jaxpr(
+        jax.grad(lambda x: K.prefill(p, cfg, x, s0, backend="pallas")[0].astype(jnp.float32).sum())
+    )(x)
+    names = collections.Counter(re.findall(r"name=(kda_chunk_\w+)", str(jaxpr)))
+    assert names["kda_chunk_scores"] == 2 and names["kda_chunk_scores_bwd"] == 2, names
+    assert names["kda_chunk_scan_bwd"] == 1, names
 
 
 def test_pallas_stage_dict_refuses_gradients_clearly(rng):
