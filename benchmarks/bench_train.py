@@ -55,10 +55,9 @@ from bench_prefill import (  # noqa: E402
 )
 
 from kda_jax import forward  # noqa: E402
+from kda_jax.backends import vjp_core  # noqa: E402
 from kda_jax.config import DEFAULT_CHUNK  # noqa: E402
 from pallas_kernels import reference as ref  # noqa: E402
-from pallas_kernels.chunk_scan_vjp import chunk_scan_vjp  # noqa: E402
-from pallas_kernels.chunk_scores import chunk_scores  # noqa: E402
 
 SHAPES = [(1, 8192), (4, 4096), (8, 2048)]
 FLA_CORE = "fla-0.6.0 chunk_kda fwd+bwd (torch autograd, eager)"
@@ -83,7 +82,7 @@ def core_loss(inputs, cts, lower_bound, chunk=DEFAULT_CHUNK, kernels=False):
     )
     o, st = ref.chunk_kda_reference(
         _l2(q), _l2(k), v.astype(jnp.float32), gate, bet, h0, scale=kd**-0.5, chunk=chunk,
-        **(dict(scan=chunk_scan_vjp, scores=chunk_scores, remat=False) if kernels else {}),
+        **(vjp_core() if kernels else {}),
     )  # fmt: skip
     return jnp.sum(o * do) + jnp.sum(st * ds)
 

@@ -70,6 +70,21 @@ def to_precision(value) -> lax.Precision | None:
         ) from None
 
 
+def vjp_core(interpret: bool | None = None) -> dict:
+    """The chunked core's options on VJP_BACKEND (`reference.chunk_kda_reference`'s scan,
+    scores and remat): the state pass and decayed scores on Pallas kernels with VJPs, the
+    intra-chunk stage not rematerialised (it runs inside `forward._xla_vjp`, which saves only
+    the block's inputs)."""
+    from pallas_kernels.chunk_scan_vjp import chunk_scan_vjp
+    from pallas_kernels.chunk_scores import chunk_scores
+
+    return dict(
+        scan=functools.partial(chunk_scan_vjp, interpret=interpret),
+        scores=functools.partial(chunk_scores, interpret=interpret),
+        remat=False,
+    )
+
+
 def stages(backend: str, *, interpret: bool | None = None, precision=None) -> Stages:
     """The stage functions of a (resolved) backend.
 
@@ -83,14 +98,7 @@ def stages(backend: str, *, interpret: bool | None = None, precision=None) -> St
     if backend in ("xla", VJP_BACKEND):
         core = {}
         if backend == VJP_BACKEND:
-            from pallas_kernels.chunk_scan_vjp import chunk_scan_vjp
-            from pallas_kernels.chunk_scores import chunk_scores
-
-            core = dict(
-                scan=functools.partial(chunk_scan_vjp, interpret=interpret),
-                scores=functools.partial(chunk_scores, interpret=interpret),
-                remat=False,  # inside forward._xla_vjp, which saves only the block's inputs
-            )
+            core = vjp_core(interpret)
         elif interpret is not None:
             raise ValueError(f"interpret={interpret} applies to the pallas backend, not xla")
         bind = functools.partial(functools.partial, precision=prec)
