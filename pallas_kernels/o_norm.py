@@ -144,52 +144,37 @@ def o_norm(
 
 
 def _o_norm_gate_kernel(
-    o_ref,  # [tiles * block_t, V] of one head
-    ga_ref,  # [tiles * block_t, R]
-    gb_ref,  # [V, R]: the head's rows of g_b, loaded once for all the program's tiles
+    o_ref,  # [block_t, V] of one head
+    ga_ref,  # [block_t, R]
+    gb_ref,  # [V, R]: the head's rows of g_b
     w_ref,  # [V]
-    keep_ref,  # [tiles * block_t] fp32
-    *refs,  # bias_ref [V] (only with a bias), y_ref [tiles * block_t, V]
+    keep_ref,  # [block_t] fp32
+    *refs,  # bias_ref [V] (only with a bias), y_ref [block_t, V]
     t: int,
     eps: float,
-    block_t: int,
 ):
     *bias_ref, y_ref = refs
-    tiles = o_ref.shape[0] // block_t
+    bt = o_ref.shape[0]
+    rows = pl.program_id(1) * bt + lax.broadcasted_iota(jnp.int32, (bt,), 0)
+    inside = (rows < t)[:, None]  # the last tile may run past T: masked loads, masked store
+    tile = jnp.broadcast_to(inside, y_ref.shape)
+    o = plt.load(o_ref, mask=tile, other=0.0).astype(f32)
+    ga = plt.load(ga_ref, mask=jnp.broadcast_to(inside, ga_ref.shape), other=0.0)
     gb = gb_ref[...]
     hi = gb.dtype == jnp.float32  # fp32 weights: IEEE products, as the projections have
-    w = w_ref[...].astype(f32)[None, :]
-    bias = bias_ref[0][...].astype(f32)[None, :] if bias_ref else None
-    first = pl.program_id(1) * tiles  # outside the loop: interpret mode has no program_id there
-
-    def tile(j, carry):
-        rows = (first + j) * block_t
-        rows = rows + lax.broadcasted_iota(jnp.int32, (block_t,), 0)
-        inside = (rows < t)[:, None]  # the last tile may run past T: masked loads and store
-        sl = pl.ds(0 if tiles == 1 else pl.multiple_of(j * block_t, block_t), block_t)
-        mask = jnp.broadcast_to(inside, (block_t, o_ref.shape[1]))
-        o = plt.load(o_ref.at[sl], mask=mask, other=0.0).astype(f32)
-        ga_mask = jnp.broadcast_to(inside, (block_t, ga_ref.shape[1]))
-        ga = plt.load(ga_ref.at[sl], mask=ga_mask, other=0.0)
-        z = lax.dot_general(
-            ga.astype(gb.dtype),
-            gb,
-            (((1,), (1,)), ((), ())),
-            preferred_element_type=f32,
-            precision=lax.Precision.HIGHEST if hi else None,
-        )
-        if bias is not None:
-            z = z + bias
-        y = gated_rms_norm(o, z, w, eps)
-        keep = plt.load(keep_ref.at[sl], mask=rows < t, other=0.0)[:, None]
-        y = jnp.where(keep == 1.0, y, keep)
-        plt.store(y_ref.at[sl], y.astype(y_ref.dtype), mask=mask)
-        return carry
-
-    if tiles == 1:
-        tile(0, 0)
-    else:
-        lax.fori_loop(0, tiles, tile, 0)
+    z = lax.dot_general(
+        ga.astype(gb.dtype),
+        gb,
+        (((1,), (1,)), ((), ())),
+        preferred_element_type=f32,
+        precision=lax.Precision.HIGHEST if hi else None,
+    )
+    if bias_ref:
+        z = z + bias_ref[0][...].astype(f32)[None, :]
+    y = gated_rms_norm(o, z, w_ref[...].astype(f32)[None, :], eps)
+    keep = plt.load(keep_ref, mask=rows < t, other=0.0)[:, None]
+    y = jnp.where(keep == 1.0, y, keep)
+    plt.store(y_ref, y.astype(y_ref.dtype), mask=tile)
 
 
 def o_norm_gate(
@@ -203,7 +188,6 @@ def o_norm_gate(
     g_bias: jax.Array | None = None,
     out_dtype=jnp.bfloat16,
     block_t: int | None = None,
-    tiles: int = 1,
     num_warps: int = 8,
     interpret: bool | None = None,
 ) -> jax.Array:
@@ -216,9 +200,8 @@ def o_norm_gate(
       w: [V] norm weight; keep: [B, T] fp32 as in `o_norm` (1 keeps the norm, any other value
         replaces the token's output, whatever o and g_a hold there).
       block_t: tokens per program, a power of two >= 16 (default: 64, or T rounded up to a
-        power of two when shorter); tiles: block_t tiles per program, a power of two (the
-        head's g_b is loaded once for all of them); num_warps: Triton warps per program (8:
-        faster than 4 at block_t = 64 on an H100).
+        power of two when shorter); num_warps: Triton warps per program (8: faster than 4 at
+        block_t = 64 on an H100).
     Returns:
       [B, T, H*V] out_dtype.
     """
@@ -246,25 +229,22 @@ def o_norm_gate(
     bt = block_t or min(64, max(16, pl.next_power_of_2(t)))
     if bt < 16 or bt & (bt - 1):
         raise ValueError(f"o_norm_gate: block_t={bt}: expected a power of two >= 16")
-    if tiles < 1 or tiles & (tiles - 1):
-        raise ValueError(f"o_norm_gate: tiles={tiles}: expected a power of two >= 1")
-    span = bt * tiles
     bias, bias_spec = (), []
     if g_bias is not None:
         bias, bias_spec = (g_bias,), [pl.BlockSpec((v,), lambda s, i, hh: (hh,))]
     return pl.pallas_call(
-        functools.partial(_o_norm_gate_kernel, t=t, eps=eps, block_t=bt),
+        functools.partial(_o_norm_gate_kernel, t=t, eps=eps),
         out_shape=jax.ShapeDtypeStruct((bsz, t, h * v), out_dtype),
-        grid=(bsz, common.cdiv(t, span), h),
+        grid=(bsz, common.cdiv(t, bt), h),
         in_specs=[
-            pl.BlockSpec((None, span, None, v), lambda s, i, hh: (s, i, hh, 0)),
-            pl.BlockSpec((None, span, r), lambda s, i, hh: (s, i, 0)),
+            pl.BlockSpec((None, bt, None, v), lambda s, i, hh: (s, i, hh, 0)),
+            pl.BlockSpec((None, bt, r), lambda s, i, hh: (s, i, 0)),
             pl.BlockSpec((v, r), lambda s, i, hh: (hh, 0)),
             pl.BlockSpec((v,), lambda s, i, hh: (0,)),
-            pl.BlockSpec((None, span), lambda s, i, hh: (s, i)),
+            pl.BlockSpec((None, bt), lambda s, i, hh: (s, i)),
             *bias_spec,
         ],
-        out_specs=pl.BlockSpec((None, span, v), lambda s, i, hh: (s, i, hh)),
+        out_specs=pl.BlockSpec((None, bt, v), lambda s, i, hh: (s, i, hh)),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         name="kda_o_norm_gate",
         interpret=common.resolve_interpret(interpret),

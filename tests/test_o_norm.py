@@ -138,16 +138,14 @@ def test_o_norm_gate_matches_reference(rng, dtype, bias):
     assert not bool(jnp.isnan(got[real]).any())
 
 
-@pytest.mark.parametrize("block_t,tiles", [(16, 1), (32, 1), (16, 2), (16, 4), (32, 8)])
-def test_o_norm_gate_tilings_agree(rng, block_t, tiles):
-    """A token's output does not depend on the tile or the program that holds it (tiles past T
-    included: T is odd, and 16 x 4 or 32 x 8 rows run past it)."""
+@pytest.mark.parametrize("block_t", [16, 32])
+def test_o_norm_gate_tilings_agree(rng, block_t):
+    """A token's output does not depend on the tile that holds it."""
     o, g_a, g_b, w, g_bias = _gate_inputs(rng, jnp.bfloat16, True)
     keep = jnp.ones(g_a.shape[:2], jnp.float32)
     kw = dict(eps=EPS, g_bias=g_bias, out_dtype=jnp.float32)
-    got = o_norm_gate(o, g_a, g_b, w, keep, block_t=block_t, tiles=tiles, **kw)
-    want = o_norm_gate(o, g_a, g_b, w, keep, block_t=16, tiles=1, **kw)
-    assert_close(got, want, FP32_TOL, f"block_t={block_t} tiles={tiles}")
+    got = o_norm_gate(o, g_a, g_b, w, keep, block_t=block_t, **kw)
+    assert_close(got, o_norm_gate(o, g_a, g_b, w, keep, **kw), FP32_TOL, f"block_t={block_t}")
 
 
 def test_o_norm_gate_rejects_bad_shapes(rng):
@@ -159,18 +157,16 @@ def test_o_norm_gate_rejects_bad_shapes(rng):
         o_norm_gate(o, g_a, g_b, w, keep[:, :-1], eps=EPS)
     with pytest.raises(ValueError, match="g_bias has shape"):
         o_norm_gate(o, g_a, g_b, w, keep, eps=EPS, g_bias=jnp.ones(3))
-    with pytest.raises(ValueError, match="tiles=3"):
-        o_norm_gate(o, g_a, g_b, w, keep, eps=EPS, tiles=3)
     with pytest.raises(ValueError, match="block_t=24"):
         o_norm_gate(o, g_a, g_b, w, keep, eps=EPS, block_t=24)
 
 
-@pytest.mark.parametrize("dtype,tiles", [(jnp.float32, 1), (jnp.bfloat16, 1), (jnp.bfloat16, 4)])
-def test_o_norm_gate_lowers_for_h200(dtype, tiles):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_o_norm_gate_lowers_for_h200(dtype):
     """Kimi-Linear geometry, T = 8191 (a last tile past T), with a bias."""
     o = jnp.ones((1, 8191, 32, 128), dtype)
     g_a = jnp.ones((1, 8191, 128), dtype)
     g_b = jnp.ones((4096, 128), dtype)
     w, keep, bias = jnp.ones((128,)), jnp.ones((1, 8191)), jnp.ones((4096,))
-    fn = lambda *a: o_norm_gate(*a, eps=EPS, g_bias=bias, tiles=tiles, interpret=False)  # noqa: E731
+    fn = lambda *a: o_norm_gate(*a, eps=EPS, g_bias=bias, interpret=False)  # noqa: E731
     assert "kda_o_norm_gate" in lower_for_h200(fn, o, g_a, g_b, w, keep)
