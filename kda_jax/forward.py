@@ -495,22 +495,19 @@ def _prefill_body(
     # o_proj carries it through; the xla backend selects after o_proj instead, since o_proj's
     # backward multiplies its input by the (zero) cotangents.
     poison = lengths if backend == "pallas" else None
+    # A row with a non-finite real token ends with NaN states: the core's state pass writes its
+    # recurrent state so (at its slot in a pool), with no second pass over the states.
+    poisoned = ok < lengths
     out, rec, conv, stages = _prefill_rows(
-        params, cfg, x, state, ok, poison, codes, backend, interpret, return_stages, precision
-    )
+        params, cfg, x, state, ok, poison, poisoned, codes, backend, interpret, return_stages,
+        precision,
+    )  # fmt: skip
     if backend != "pallas":
         out = jnp.where((real & (pos >= ok[:, None]))[..., None], jnp.nan, out)
-    poisoned = ok < lengths
-
-    def nan_rows(a):
-        return jnp.where(poisoned.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.nan, a)
-
-    if codes is None:
-        new_state = KdaState(recurrent=nan_rows(rec), conv=nan_rows(conv))
-    else:  # only the poisoned rows' slots are written (a scatter; the pool stays in place)
-        at = jnp.where(poisoned & (codes >= 0), codes, rec.shape[0])
-        rec = rec.at[at].set(jnp.nan, mode="drop")
-        new_state = KdaState(recurrent=rec, conv=ref.pool_write(state.conv, codes, nan_rows(conv)))
+    conv = jnp.where(poisoned[:, None, None], jnp.nan, conv)  # [B, W-1, C]: small
+    if codes is not None:
+        conv = ref.pool_write(state.conv, codes, conv)
+    new_state = KdaState(recurrent=rec, conv=conv)
     if return_stages:
         stages["final_out"] = out
         return out, new_state, stages
@@ -534,11 +531,13 @@ def _check_lengths(lengths, b_: int, t: int) -> jax.Array:
 
 
 def _prefill_rows(
-    params, cfg, x, state, ok, poison, codes, backend, interpret, return_stages, precision=None
-):
+    params, cfg, x, state, ok, poison, nan_state, codes, backend, interpret, return_stages,
+    precision=None,
+):  # fmt: skip
     """The block over x [B, T, D] whose tokens below `ok` are real (and finite); the others
-    touch nothing and output 0, or NaN below `poison` (None: nowhere). Returns (out, recurrent
-    state, conv state of the B rows, stages); with slot codes the recurrent state is the pool."""
+    touch nothing and output 0, or NaN below `poison` (None: nowhere); rows with `nan_state`
+    end with a NaN recurrent state. Returns (out, recurrent state, conv state of the B rows,
+    stages); with slot codes the recurrent state is the pool."""
     b_, t, _ = x.shape
     st = backends.stages(backend, interpret=interpret, precision=precision)
     qkv, f_a, g_a, b = _in_proj(st, params, cfg, x.reshape(b_ * t, -1))
@@ -577,6 +576,7 @@ def _prefill_rows(
         out_dtype=params.dtype,
         poison=poison,
         slots=codes,
+        nan_state=nan_state,
     )
     out = st.proj(y.reshape(b_ * t, cfg.qkv_dim), params.o_proj).reshape(b_, t, cfg.hidden)
     stages = None

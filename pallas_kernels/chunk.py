@@ -65,6 +65,7 @@ def chunk_kda(
     o_dtype=f32,
     l2_eps: float | None = None,
     slots: jax.Array | None = None,
+    nan_state: jax.Array | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Gate, beta and the chunked delta rule over T padded tokens (no output norm).
@@ -78,6 +79,7 @@ def chunk_kda(
       l2_eps: set when q, k arrive raw: they are L2-normalised inside chunk_prepare.
       slots: [B] int32 or None: state is then a pool [S, H, K, V] read and written at slots[b]
         by the state pass (`chunk_scan`); a negative slot writes nothing.
+      nan_state: optional [B] bool: rows whose final state is NaN (written so by the scan).
       interpret: run the kernels in Pallas interpret mode (None: when there is no GPU).
     Returns:
       o: [B, T, H, V] o_dtype, 0 at pads; new_state: [B, H, K, V] fp32.
@@ -98,7 +100,15 @@ def chunk_kda(
         l2_eps=l2_eps,
         interpret=interpret,
     )
-    return chunk_scan(inter, state, slots, t=q.shape[1], out_dtype=o_dtype, interpret=interpret)
+    return chunk_scan(
+        inter,
+        state,
+        slots,
+        t=q.shape[1],
+        out_dtype=o_dtype,
+        nan_state=nan_state,
+        interpret=interpret,
+    )
 
 
 @functools.partial(
@@ -126,6 +136,7 @@ def prefill_core(
     out_dtype=jnp.bfloat16,
     poison: jax.Array | None = None,
     slots: jax.Array | None = None,
+    nan_state: jax.Array | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Gate, beta, chunked recurrence and gated RMSNorm over T padded tokens.
@@ -144,6 +155,7 @@ def prefill_core(
       poison: optional [B] int32 >= lengths, as in the reference.
       slots: [B] int32 or None: state is then a pool [S, H, K, V] read and written in place
         at slots[b]; a negative slot writes nothing (give its row length 0).
+      nan_state: optional [B] bool, as in the reference: rows whose final state is NaN.
       interpret: run the kernels in Pallas interpret mode (None: when there is no GPU).
     Returns:
       y: [B, T, P] out_dtype; new_state: [B, H, K, V] fp32 (with slots, the pool).
@@ -165,6 +177,7 @@ def prefill_core(
         mm_dtype=matmul_dtype(out_dtype),
         o_dtype=matmul_dtype(out_dtype),
         slots=slots,
+        nan_state=nan_state,
         interpret=interpret,
     )
     keep = common.output_keep(lengths, t, poison)  # g_a may be NaN at pads: replaced, not scaled

@@ -86,13 +86,15 @@ def _chunk_scan_kernel(
     a_ref,  # [N*C, C]
     gl_ref,  # [N, K] fp32
     s_ref,  # [K, BV] fp32; pooled: the whole pool [S, H, K, V]
-    *refs,  # pooled: slot [1]; packed: info [4]; o [N*C, BV]; new state [K, BV] fp32 (pooled:
-    # the pool, aliased); packed with prefix_chunks: prefix states [M, H, K, V] fp32
+    *refs,  # pooled: slot [1]; packed: info [4]; nan_state: flag [1]; o [N*C, BV]; new state
+    # [K, BV] fp32 (pooled: the pool, aliased); packed with prefix_chunks: prefix states
+    # [M, H, K, V] fp32
     chunk: int,
     pooled: bool,
     packed: bool = False,
     prefix_chunks: int = 0,
     save: bool = False,
+    nan_state: bool = False,
 ):
     """One (sequence, head, V tile): the chunks in order, the state tile in registers. Pooled,
     the state tile is pool[slot, h, :, tile j], read and written back in place; a negative slot
@@ -100,10 +102,12 @@ def _chunk_scan_kernel(
     info = (first chunk, end chunk, first prefix row, prefix rows) of the stream; with
     `prefix_chunks` the state after every prefix_chunks of them goes to the next prefix row,
     as long as rows remain. With `save` (training) it also writes the state before each chunk
-    and each chunk's Delta, what the backward pass (`chunk_scan_vjp`) reads."""
+    and each chunk's Delta, what the backward pass (`chunk_scan_vjp`) reads. With `nan_state`
+    a non-zero flag stores the final state tile as NaN (a row with a non-finite real token)."""
     refs = list(refs)
     slot_ref = refs.pop(0) if pooled else None
     info_ref = refs.pop(0) if packed else None
+    flag_ref = refs.pop(0) if nan_state else None
     o_ref, s_out_ref, *p_refs = refs
     if save:
         hs_ref, delta_ref = p_refs
@@ -156,6 +160,8 @@ def _chunk_scan_kernel(
         return s_t
 
     s_t = lax.fori_loop(lo, hi, step, s_ref[tile].astype(f32).T)
+    if nan_state:
+        s_t = jnp.where(flag_ref[0] != 0, jnp.full_like(s_t, jnp.nan), s_t)
     if pooled:
 
         @pl.when(slot >= 0)
@@ -190,6 +196,7 @@ def chunk_scan(
     prefix_chunks: int = 0,
     prefix_rows: int = 0,
     save_states: bool = False,
+    nan_state: jax.Array | None = None,
     interpret: bool | None = None,
 ):
     """The chunk-by-chunk state pass over `chunk_prepare`'s intermediates.
@@ -214,6 +221,9 @@ def chunk_scan(
         third output [prefix_rows, H, K, V], as many as its info allows; other rows undefined.
       save_states: also return what the backward pass reads (dense rows only): the state
         before each chunk hs [B, H, N, K, V] fp32 and Delta = u - w S [B, H, N*C, V] fp32.
+      nan_state: optional [B] bool (dense rows or slots, not packed): rows whose final state is
+        written as NaN, in the kernel's own store (with slots, at the row's slot): the rows
+        whose real tokens include a non-finite one, with no second pass over the states.
       interpret: run in Pallas interpret mode (None: when there is no GPU).
     Returns:
       o: [B, T, H, V] out_dtype (0 at pads); new_state: [B, H, K, V] fp32 (with slots, the
@@ -239,6 +249,11 @@ def chunk_scan(
         raise ValueError("chunk_scan: prefix states need packed mode (seq_info)")
     if save_states and (packed or slots is not None):
         raise ValueError("chunk_scan: save_states takes dense rows (no seq_info, no slots)")
+    if nan_state is not None and (packed or tuple(nan_state.shape) != (bsz,)):
+        raise ValueError(
+            f"chunk_scan: nan_state of shape {tuple(nan_state.shape)}: expected [{bsz}] without "
+            "seq_info"
+        )
     seqs = seq_info.shape[0] if packed else bsz
     rows = seqs if slots is None else state.shape[0]
     if tuple(state.shape) != (rows, h, kd, vd):
@@ -271,6 +286,9 @@ def chunk_scan(
     if packed:
         pool_in += (seq_info.astype(jnp.int32),)
         pool_spec.append(pl.BlockSpec((None, 4), lambda s, hh, j: (s, 0)))
+    if nan_state is not None:
+        pool_in += (nan_state.astype(jnp.int32),)
+        pool_spec.append(pl.BlockSpec((1,), lambda s, hh, j: (s,)))
     prefix_shape, prefix_spec = (), ()
     if prefix_chunks:
         prefix_shape = (jax.ShapeDtypeStruct((prefix_rows, h, kd, vd), f32),)
@@ -285,7 +303,11 @@ def chunk_scan(
             pl.BlockSpec((None, None, tp, bv), lambda s, hh, j: (s, hh, 0, j)),
         )
     kernel = functools.partial(
-        _chunk_scan_kernel, chunk=chunk, pooled=slots is not None, save=save_states
+        _chunk_scan_kernel,
+        chunk=chunk,
+        pooled=slots is not None,
+        save=save_states,
+        nan_state=nan_state is not None,
     )
     if packed:
         kernel = functools.partial(kernel, packed=True, prefix_chunks=prefix_chunks)

@@ -747,6 +747,7 @@ def prefill_core_reference(
     out_dtype=jnp.bfloat16,
     poison: jax.Array | None = None,
     slots: jax.Array | None = None,
+    nan_state: jax.Array | None = None,
     precision=None,
     scan=None,
     scores=None,
@@ -766,6 +767,8 @@ def prefill_core_reference(
         (the real tokens from a row's first non-finite one on).
       slots: [B] int32 or None: state is then a pool [N, H, K, V] whose row slots[b] row b
         starts from and is written back to; a negative slot writes nothing (give it length 0).
+      nan_state: optional [B] bool: rows whose final state is NaN (a non-finite real token;
+        with slots, written at the row's slot); their gradients are zero.
       precision: of z's product (None: HIGHEST).
       scan, scores, remat: the chunked core's state pass, decayed scores and rematerialisation
         (`chunk_kda_reference`).
@@ -793,6 +796,7 @@ def prefill_core_reference(
             g_bias=g_bias,
             out_dtype=out_dtype,
             poison=poison,
+            nan_state=nan_state,
             precision=precision,
             scan=scan,
             scores=scores,
@@ -808,6 +812,8 @@ def prefill_core_reference(
     o, new_state = chunk_kda_reference(
         q, k, v, g, beta, state, scale=scale, chunk=chunk, scan=scan, scores=scores, remat=remat
     )
+    if nan_state is not None:
+        new_state = jnp.where(nan_state[:, None, None, None], jnp.nan, new_state)
     keep = common.output_keep(lengths, t, poison)
     z = gemv_reference(
         g_a.reshape(-1, g_a.shape[-1]), g_b, out_dtype=f32, bias=g_bias, precision=precision

@@ -474,6 +474,32 @@ def test_prefill_core_matches_reference_and_token_loop(rng, lower_bound):
     assert bool(jnp.all(jnp.where(pads[..., None], y == 0, True))), "pad outputs must be 0"
 
 
+@pytest.mark.parametrize("pooled", [False, True], ids=["dense", "pool"])
+def test_prefill_core_nan_state_rows(rng, pooled):
+    """Rows flagged by nan_state end with a NaN state written by the scan itself (at their slot
+    in a pool); the other rows and the untouched slots equal the reference's, and y is unchanged."""
+    inp = list(_inputs(rng))
+    kw = dict(scale=K**-0.5, chunk=16, lower_bound=-5.0, eps=EPS, out_dtype=f32)
+    flags = jnp.array([True] + [False] * (B - 1))
+    if pooled:
+        pool = normal(jax.random.fold_in(rng, 1), (B + 3, H, K, K), scale=0.1)
+        inp[7] = pool
+        kw["slots"] = jnp.arange(B, dtype=jnp.int32)[::-1] + 2  # row b at slot B + 1 - b
+    y, s = prefill_core(*inp, **kw, nan_state=flags)
+    y_plain, s_plain = prefill_core(*inp, **kw)
+    y_ref, s_ref = ref.prefill_core_reference(*inp, **kw, nan_state=flags)
+    np.testing.assert_array_equal(y, y_plain, err_msg="nan_state changes no output")
+    at = np.asarray(kw["slots"]) if pooled else np.arange(B)
+    assert bool(jnp.isnan(s[at[0]]).all()) and bool(jnp.isnan(s_ref[at[0]]).all())
+    others = np.setdiff1d(np.arange(s.shape[0]), at[:1])
+    np.testing.assert_array_equal(s[others], s_plain[others], err_msg="unflagged rows, other slots")
+    assert_close(s[others], s_ref[others], FP32_TOL, "unflagged rows vs reference")
+    prep = dict(scale=K**-0.5, chunk=16, lower_bound=-5.0, mm_dtype=f32)
+    inter = ChunkIntermediates(*ref.chunk_prepare_reference(*_prep_args(inp), **prep))
+    with pytest.raises(ValueError, match=r"nan_state of shape \(1,\): expected \[2\]"):
+        chunk_scan(inter, inp[7], kw.get("slots"), t=T, nan_state=flags[:1])
+
+
 def test_prefill_core_strong_decay_vs_token_loop(rng):
     """chunk 64, unbounded gate, log-decay down to about -50 per token: finite, equals the loop."""
     inp = _inputs(rng, decay="strong")
