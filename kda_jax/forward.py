@@ -110,11 +110,12 @@ def _slot_codes(slots: jax.Array, n: int) -> jax.Array:
     writes nothing and its outputs are NaN); -1 (padding) and valid slots pass."""
     bad = (slots < -1) | (slots >= n)
     b_ = slots.shape[0]
-    if 1 < b_ <= _PAIRWISE_ROWS:
+    if 1 < b_ <= _PAIRWISE_ROWS:  # one reduction that yields the codes: one launch
         rows = jnp.arange(b_)
-        same = (slots[:, None] == slots[None, :]) & (rows[None, :] < rows[:, None])
-        bad |= (slots >= 0) & same.any(axis=1)
-    elif b_ > _PAIRWISE_ROWS:
+        s = slots[:, None]
+        clash = (s == slots[None, :]) & (rows[None, :] < rows[:, None]) & (s >= 0)
+        return jnp.min(jnp.where(clash | bad[:, None], -2, s), axis=1)
+    if b_ > _PAIRWISE_ROWS:
         order = jnp.argsort(slots, stable=True)  # equal slots in row order
         s_ = slots[order]
         again = jnp.concatenate([jnp.zeros((1,), bool), (s_[1:] == s_[:-1]) & (s_[1:] >= 0)])
@@ -254,9 +255,9 @@ def _rows_body(params, x, state, slots, cfg, backend, interpret, snapshots, retu
         out_dtype=params.dtype,
         slots=codes,
     )
+    # decode_core wrote y = 0 at padding rows and NaN at refused ones, whatever their x held,
+    # so o_proj carries them to the output: no select after it.
     out = st.proj(y.reshape(b_ * r, cfg.qkv_dim), params.o_proj).reshape(b_, r, cfg.hidden)
-    if codes is not None:  # padding rows 0, refused rows NaN, whatever their x held
-        out = ref.slot_fill(codes, out)
     new_state = KdaState(recurrent=rec, conv=conv_state)
     snaps = KdaState(recurrent=rec_snaps, conv=conv_snaps) if snapshots else None
     stages = None

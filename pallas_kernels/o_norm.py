@@ -41,12 +41,13 @@ class ONormBlockSizes:
     num_warps: int = 4
 
     @staticmethod
-    def get_default(n_rows: int, v: int) -> ONormBlockSizes:
-        """Up to 8K values per program (a power of two dividing n_rows), halved while that
-        leaves fewer than two programs per SM: small row counts (a decode step's 32 heads) get
-        one-row programs, which fill more SMs. Warps follow the tile: 1024 values per warp,
-        1 to 4."""
-        block_rows = min(max(1, 8192 // v), n_rows & -n_rows)
+    def get_default(n_rows: int, v: int, group: int | None = None) -> ONormBlockSizes:
+        """Up to 8K values per program (a power of two dividing n_rows, and `group` when
+        given), halved while that leaves fewer than two programs per SM: small row counts (a
+        decode step's 32 heads) get one-row programs, which fill more SMs. Warps follow the
+        tile: 1024 values per warp, 1 to 4."""
+        g = group or n_rows
+        block_rows = min(max(1, 8192 // v), n_rows & -n_rows, g & -g)
         while block_rows > 1 and n_rows // block_rows < common.TARGET_PROGRAMS:
             block_rows //= 2
         return ONormBlockSizes(block_rows, num_warps=max(1, min(4, block_rows * v // 1024)))
@@ -65,17 +66,17 @@ def _o_norm_kernel(
     o_ref,  # [block_rows, V]
     z_ref,  # [block_rows, V]
     w_ref,  # [V]
-    *refs,  # keep_ref [block_rows] fp32 (only with `keep`), y_ref [block_rows, V]
+    *refs,  # code_ref [1] int32 (only with `slots`), y_ref [block_rows, V]
     eps: float,
 ):
-    *keep_ref, y_ref = refs
+    *code_ref, y_ref = refs
     o = o_ref[...].astype(f32)
     z = z_ref[...].astype(f32)
     w = w_ref[...].astype(f32)
     y = gated_rms_norm(o, z, w[None, :], eps)
-    if keep_ref:
-        keep = keep_ref[0][...][:, None]
-        y = jnp.where(keep == 1.0, y, keep)
+    if code_ref:
+        code = code_ref[0][...][:, None]
+        y = jnp.where(code >= 0, y, jnp.where(code == -1, 0.0, jnp.nan))
     y_ref[...] = y.astype(y_ref.dtype)
 
 
@@ -85,7 +86,7 @@ def o_norm(
     w: jax.Array,
     *,
     eps: float,
-    keep: jax.Array | None = None,
+    slots: jax.Array | None = None,
     out_dtype=jnp.bfloat16,
     block_sizes: ONormBlockSizes | None = None,
     interpret: bool | None = None,
@@ -97,10 +98,12 @@ def o_norm(
       z: [..., H*V] output-gate projection, any float dtype.
       w: [V] norm weight.
       eps: the RMSNorm epsilon (cfg.rms_norm_eps).
-      keep: optional [...] fp32 per token: 1 keeps the norm, any other value replaces the
-        token's output (0 at pads, NaN after a non-finite token), whatever o and z hold there.
+      slots: optional [B] int32 slot codes, one per leading row of o (a pool's decode): the
+        outputs of a row with a negative code are `reference.slot_fill`'s (0 for -1, NaN
+        below), whatever o and z hold there. Read by each program itself: no broadcast first.
       out_dtype: dtype of the result.
-      block_sizes: tiling (default `ONormBlockSizes.get_default(N, V)`).
+      block_sizes: tiling (default `ONormBlockSizes.get_default(N, V)`, with `slots` capped
+        at one leading row per program).
       interpret: run in Pallas interpret mode (None: when there is no GPU).
     Returns:
       [..., H*V] out_dtype.
@@ -114,22 +117,28 @@ def o_norm(
         raise ValueError(f"o_norm: w has shape {tuple(w.shape)}, expected ({v},)")
     if v & (v - 1):
         raise ValueError(f"o_norm: V={v} must be a power of two (one head per Triton row)")
+    if slots is not None and (not lead or tuple(slots.shape) != (lead[0],)):
+        raise ValueError(
+            f"o_norm: slots has shape {tuple(slots.shape)}, expected ({lead[0] if lead else 1},) "
+            f"(one code per leading row of o {o.shape})"
+        )
     n = math.prod(lead) * h
     if n == 0:
         return jnp.zeros((*lead, h * v), out_dtype)
-    blk = block_sizes or ONormBlockSizes.get_default(n, v)
-    if blk.block_rows & (blk.block_rows - 1) or n % blk.block_rows:
+    per_row = n // lead[0] if slots is not None else n  # rows a program may not straddle
+    blk = block_sizes or ONormBlockSizes.get_default(n, v, group=per_row)
+    if blk.block_rows & (blk.block_rows - 1) or per_row % blk.block_rows:
+        what = f"the {per_row} rows of one slot" if slots is not None else f"N={n} rows"
         raise ValueError(
-            f"o_norm: block_rows={blk.block_rows}: expected a power of two dividing N={n} rows"
+            f"o_norm: block_rows={blk.block_rows}: expected a power of two dividing {what}"
         )
     rows = lambda a: a.reshape(n, v)  # noqa: E731
     spec = pl.BlockSpec((blk.block_rows, v), lambda i: (i, 0))
     extra, extra_specs = (), []
-    if keep is not None:
-        if tuple(keep.shape) != tuple(lead):
-            raise ValueError(f"o_norm: keep has shape {tuple(keep.shape)}, expected {tuple(lead)}")
-        extra = (jnp.broadcast_to(keep.astype(f32)[..., None], (*lead, h)).reshape(n),)
-        extra_specs = [pl.BlockSpec((blk.block_rows,), lambda i: (i,))]
+    if slots is not None:
+        progs = per_row // blk.block_rows  # programs per leading row
+        extra = (slots.astype(jnp.int32),)
+        extra_specs = [pl.BlockSpec((1,), lambda i: (i // progs,))]
     y = pl.pallas_call(
         lambda *refs: _o_norm_kernel(*refs, eps=eps),
         out_shape=jax.ShapeDtypeStruct((n, v), out_dtype),

@@ -403,9 +403,6 @@ def decode_core(
     )
     if fused_norm:
         return out.reshape(bsz, r, h * vd), new_state, snaps
-    keep = None
-    if slots is not None:  # the kernel's fill for rows of negative slots, after the norm too
-        fill = jnp.where(slots == -1, 0.0, jnp.nan)
-        keep = jnp.broadcast_to(jnp.where(slots >= 0, 1.0, fill)[:, None], (bsz, r))
-    y = o_norm(out, z, o_norm_w, eps=eps, keep=keep, out_dtype=out_dtype, interpret=interpret)
+    # The rows of negative slots get the kernel's fill after the norm too (z may hold anything).
+    y = o_norm(out, z, o_norm_w, eps=eps, slots=slots, out_dtype=out_dtype, interpret=interpret)
     return y, new_state, snaps

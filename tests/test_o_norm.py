@@ -79,21 +79,29 @@ def test_o_norm_lowers_for_h200(rows):
     assert "kda_o_norm" in text
 
 
-@pytest.mark.parametrize("block_rows", [1, 4])
-def test_o_norm_keep_replaces_rows(rng, block_rows):
-    """keep: 1 keeps a token's norm, 0 writes zeros and NaN writes NaN, whatever o and z hold
-    there (the prefill's pads: NaN in z must not leak through)."""
-    o, z, w = _inputs(rng, jnp.float32)
-    keep = jnp.ones(LEAD).at[0, 1].set(0.0).at[1, 2].set(jnp.nan)
-    z = z.at[0, 1].set(jnp.nan)
-    blk = ONormBlockSizes(block_rows=min(block_rows, H & -H))
-    got = o_norm(o, z, w, eps=EPS, keep=keep, out_dtype=jnp.float32, block_sizes=blk)
-    ref = o_norm_reference(o, z, w, eps=EPS, keep=keep, out_dtype=jnp.float32)
-    assert bool((got[0, 1] == 0).all()) and bool(jnp.isnan(got[1, 2]).all())
-    kept = jnp.ones(LEAD, bool).at[0, 1].set(False).at[1, 2].set(False)
-    assert_close(got[kept], ref[kept], FP32_TOL, "kept rows")
-    with pytest.raises(ValueError, match="keep has shape"):
-        o_norm(o, z, w, eps=EPS, keep=jnp.ones(LEAD[-1:]))
+@pytest.mark.parametrize("block_rows", [1, 4, None])
+def test_o_norm_slots_fill_rows(rng, block_rows):
+    """slots: a row of code -1 writes zeros and one below writes NaN, whatever o and z hold
+    there (NaN in z must not leak through); the other rows are the norm. None: the default
+    tiling, capped at one row's heads per program."""
+    ko, kz = jax.random.split(rng)
+    lead = (3, LEAD[-1])
+    o = normal(ko, (*lead, H, V), scale=0.3)
+    z = normal(kz, (*lead, H * V), scale=2.0).at[1].set(jnp.nan)
+    o = o.at[2].set(jnp.inf)
+    w = jnp.linspace(0.5, 1.5, V)
+    codes = jnp.array([7, -1, -2], jnp.int32)
+    per_row = lead[1] * H
+    blk = None if block_rows is None else ONormBlockSizes(min(block_rows, per_row & -per_row))
+    got = o_norm(o, z, w, eps=EPS, slots=codes, out_dtype=jnp.float32, block_sizes=blk)
+    ref = o_norm_reference(o[:1], z[:1], w, eps=EPS, out_dtype=jnp.float32)
+    assert bool((got[1] == 0).all()) and bool(jnp.isnan(got[2]).all())
+    assert_close(got[:1], ref, FP32_TOL, "the row of a real slot")
+    with pytest.raises(ValueError, match="slots has shape"):
+        o_norm(o, z, w, eps=EPS, slots=codes[:2])
+    if per_row % 2:
+        with pytest.raises(ValueError, match="rows of one slot"):
+            o_norm(o, z, w, eps=EPS, slots=codes, block_sizes=ONormBlockSizes(2))
 
 
 # o_norm_gate: z formed in the kernel. Odd T on the CPU (a tile past T), Kimi-Linear on a GPU.
