@@ -50,11 +50,11 @@ def test_nonfinite_pads_give_finite_gradients(name, poison, rng):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("poison", [jnp.nan, jnp.inf])
+@pytest.mark.parametrize("poison", [jnp.nan, jnp.inf, -jnp.inf])
 @pytest.mark.parametrize("name", GATES)
 def test_nonfinite_token_stays_causal_and_in_its_row(name, poison, backend, rng):
-    """A non-finite real token (mid-chunk) leaves every earlier output of its row and every
-    other row as they were; its row is NaN from that token on, state included."""
+    """A non-finite real token (mid-chunk, one channel of x) leaves every earlier output of its
+    row and every other row as they were; its row is NaN from that token on, state included."""
     cfg, p, s0, key = _block(name, rng)
     t, bad = 50, 20  # chunk 16: token 20 sits inside the second chunk
     x = jax.random.normal(key, (2, t, cfg.hidden))
