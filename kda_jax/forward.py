@@ -484,16 +484,7 @@ def _prefill_body(
     # chunked products would otherwise carry a NaN back to earlier rows of its chunk (0 * NaN).
     pos = jnp.arange(t)[None, :]
     real = pos < lengths[:, None]
-    st = backends.stages(backend, interpret=interpret, precision=precision)
-    if backend == "pallas":
-        # w_in's product first: a token whose x holds NaN or inf has every output of that
-        # product non-finite (each sums x_d w_d over all d, with finite weights), so the check
-        # reads the beta logits [B, T, H] (1 MB at B=16 T=1024) instead of x (75 MB, 33 us).
-        proj = _in_proj(st, params, cfg, x.reshape(b_ * t, -1))
-        bad = ~jnp.isfinite(proj[3]).all(-1).reshape(b_, t)
-    else:
-        bad = ~jnp.isfinite(x).all(-1)
-    first_bad = jnp.min(jnp.where(real & bad, pos, t), axis=1)
+    first_bad = jnp.min(jnp.where(real & ~jnp.isfinite(x).all(-1), pos, t), axis=1)
     ok = jnp.minimum(lengths, first_bad)
     if codes is not None:
         ok = jnp.where(codes < 0, 0, ok)
@@ -501,7 +492,6 @@ def _prefill_body(
         # Gradients flow through this backend: zero the rows the block ignores, or the
         # projections' backward would multiply their zero cotangents by NaN (dW = x^T dy).
         x = jnp.where((pos < ok[:, None])[..., None], x, 0)
-        proj = _in_proj(st, params, cfg, x.reshape(b_ * t, -1))
     # The real tokens past `ok` output NaN. On the pallas backend o_norm writes NaN there and
     # o_proj carries it through; the xla backend selects after o_proj instead, since o_proj's
     # backward multiplies its input by the (zero) cotangents.
@@ -510,8 +500,9 @@ def _prefill_body(
     # recurrent state so (at its slot in a pool), with no second pass over the states.
     poisoned = ok < lengths
     out, rec, conv, stages = _prefill_rows(
-        params, cfg, st, proj, state, ok, poison, poisoned, codes, return_stages
-    )
+        params, cfg, x, state, ok, poison, poisoned, codes, backend, interpret, return_stages,
+        precision,
+    )  # fmt: skip
     if backend != "pallas":
         out = jnp.where((real & (pos >= ok[:, None]))[..., None], jnp.nan, out)
     conv = jnp.where(poisoned[:, None, None], jnp.nan, conv)  # [B, W-1, C]: small
@@ -540,15 +531,17 @@ def _check_lengths(lengths, b_: int, t: int) -> jax.Array:
     return jnp.clip(lengths.astype(jnp.int32), 0, t)
 
 
-def _prefill_rows(params, cfg, st, proj, state, ok, poison, nan_state, codes, return_stages):
-    """The block after w_in's product `proj` (`_in_proj` of x [B, T, D]) on the stages `st`,
-    whose tokens below `ok` are real (and finite); the others touch nothing and output 0, or
-    NaN below `poison` (None: nowhere); rows with `nan_state` end with a NaN recurrent state.
-    Returns (out, recurrent state, conv state of the B rows, stages); with slot codes the
-    recurrent state is the pool."""
-    b_ = ok.shape[0]
-    t = proj[0].shape[0] // b_
-    qkv, f_a, g_a, b = proj
+def _prefill_rows(
+    params, cfg, x, state, ok, poison, nan_state, codes, backend, interpret, return_stages,
+    precision=None,
+):  # fmt: skip
+    """The block over x [B, T, D] whose tokens below `ok` are real (and finite); the others
+    touch nothing and output 0, or NaN below `poison` (None: nowhere); rows with `nan_state`
+    end with a NaN recurrent state. Returns (out, recurrent state, conv state of the B rows,
+    stages); with slot codes the recurrent state is the pool."""
+    b_, t, _ = x.shape
+    st = backends.stages(backend, interpret=interpret, precision=precision)
+    qkv, f_a, g_a, b = _in_proj(st, params, cfg, x.reshape(b_ * t, -1))
     f = st.proj(f_a, params.f_b)  # the output gate's z is formed inside the core's norm
     shape = lambda a: a.reshape(b_, t, a.shape[-1])  # noqa: E731
     qkv, f, b, g_a = shape(qkv), shape(f), shape(b), shape(g_a)
