@@ -818,6 +818,7 @@ def _packed_body(params, x, state, cu, slots, cfg, backend, interpret, precision
         g_bias=params.g_bias,
         out_dtype=params.dtype,
         slots=codes,
+        nan_state=tok.poisoned,  # NaN final states written by the state pass itself
         prefix_block=prefix_block,
         prefix_rows=m_rows,
     )
@@ -835,14 +836,10 @@ def _packed_body(params, x, state, cu, slots, cfg, backend, interpret, precision
     def nan_rows(a):
         return jnp.where(tok.poisoned.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.nan, a)
 
-    if codes is None:
-        new_state = KdaState(recurrent=nan_rows(rec), conv=nan_rows(new_conv))
-    else:  # only the poisoned sequences' slots are written (a scatter; the pool stays in place)
-        at_pool = jnp.where(tok.poisoned & (codes >= 0), codes, rec.shape[0])
-        rec = rec.at[at_pool].set(jnp.nan, mode="drop")
-        new_state = KdaState(
-            recurrent=rec, conv=ref.pool_write(state.conv, codes, nan_rows(new_conv))
-        )
+    conv = nan_rows(new_conv)  # [N, W-1, C]: small
+    new_state = KdaState(
+        recurrent=rec, conv=conv if codes is None else ref.pool_write(state.conv, codes, conv)
+    )
     if not prefix_block:
         return out, new_state
     return out, new_state, _prefix_states(cfg, tok, lay, prefix_rec, qkv, prefix_block, m_rows)

@@ -227,6 +227,7 @@ def chunk_kda_packed(
     o_dtype=f32,
     l2_eps: float | None = None,
     slots: jax.Array | None = None,
+    nan_state: jax.Array | None = None,
     prefix_chunks: int = 0,
     prefix_rows: int = 0,
     interpret: bool | None = None,
@@ -241,6 +242,7 @@ def chunk_kda_packed(
         slots[q] (a negative slot writes nothing).
       seq_info: [Q, 4] int32 per sequence: (first chunk, end chunk, first prefix row, prefix
         rows), as `chunk_scan` takes it.
+      nan_state: optional [Q] bool: sequences whose final state is NaN (written so by the scan).
       prefix_chunks, prefix_rows: as in `chunk_scan` (0: no prefix states).
       The other arguments as in `chunk_kda`.
     Returns:
@@ -275,6 +277,7 @@ def chunk_kda_packed(
         seq_info=seq_info,
         prefix_chunks=prefix_chunks,
         prefix_rows=prefix_rows,
+        nan_state=nan_state,
         interpret=interpret,
     )
 
@@ -314,6 +317,7 @@ def prefill_core_packed(
     g_bias: jax.Array | None = None,
     out_dtype=jnp.bfloat16,
     slots: jax.Array | None = None,
+    nan_state: jax.Array | None = None,
     prefix_block: int | None = None,
     prefix_rows: int = 0,
     interpret: bool | None = None,
@@ -326,7 +330,7 @@ def prefill_core_packed(
     Args:
       q, k, v: [S, H, K] from conv_prefill over the stream; f: [S, P]; b: [S, H];
       g_a: [S, R]; g_b: [P, R]; g_bias: optional [P];
-      state, valid, seq_info, slots, prefix_block, prefix_rows: as in the reference.
+      state, valid, seq_info, slots, nan_state, prefix_block, prefix_rows: as in the reference.
     Returns:
       y: [S, P] out_dtype; new_state; prefix states [prefix_rows, H, K, V] or None (rows past
       the sequences' own undefined: the caller selects).
@@ -350,6 +354,7 @@ def prefill_core_packed(
         mm_dtype=mm,
         o_dtype=mm,
         slots=slots,
+        nan_state=nan_state,
         prefix_chunks=prefix_block // chunk if prefix_rows else 0,
         prefix_rows=prefix_rows,
         interpret=interpret,

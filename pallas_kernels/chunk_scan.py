@@ -221,7 +221,7 @@ def chunk_scan(
         third output [prefix_rows, H, K, V], as many as its info allows; other rows undefined.
       save_states: also return what the backward pass reads (dense rows only): the state
         before each chunk hs [B, H, N, K, V] fp32 and Delta = u - w S [B, H, N*C, V] fp32.
-      nan_state: optional [B] bool (dense rows or slots, not packed): rows whose final state is
+      nan_state: optional [B] bool (packed: [Q], one per sequence): rows whose final state is
         written as NaN, in the kernel's own store (with slots, at the row's slot): the rows
         whose real tokens include a non-finite one, with no second pass over the states.
       interpret: run in Pallas interpret mode (None: when there is no GPU).
@@ -249,12 +249,12 @@ def chunk_scan(
         raise ValueError("chunk_scan: prefix states need packed mode (seq_info)")
     if save_states and (packed or slots is not None):
         raise ValueError("chunk_scan: save_states takes dense rows (no seq_info, no slots)")
-    if nan_state is not None and (packed or tuple(nan_state.shape) != (bsz,)):
-        raise ValueError(
-            f"chunk_scan: nan_state of shape {tuple(nan_state.shape)}: expected [{bsz}] without "
-            "seq_info"
-        )
     seqs = seq_info.shape[0] if packed else bsz
+    if nan_state is not None and tuple(nan_state.shape) != (seqs,):
+        raise ValueError(
+            f"chunk_scan: nan_state of shape {tuple(nan_state.shape)}: expected [{seqs}] (one "
+            "flag per " + ("sequence of seq_info)" if packed else "row)")
+        )
     rows = seqs if slots is None else state.shape[0]
     if tuple(state.shape) != (rows, h, kd, vd):
         raise ValueError(f"chunk_scan: state has shape {state.shape}, expected {(rows, h, kd, vd)}")

@@ -861,6 +861,7 @@ def prefill_core_packed_reference(
     g_bias: jax.Array | None = None,
     out_dtype=jnp.bfloat16,
     slots: jax.Array | None = None,
+    nan_state: jax.Array | None = None,
     prefix_block: int | None = None,
     prefix_rows: int = 0,
     precision=None,
@@ -882,6 +883,8 @@ def prefill_core_packed_reference(
       valid: [S] bool, the token rows.
       seq_info: [Q, 4] int32 per sequence: (first chunk, end chunk, first prefix row, prefix
         rows); the ranges [first, end) are disjoint, in stream order.
+      nan_state: optional [Q] bool: sequences whose final state is NaN (a non-finite real
+        token; with slots, at the sequence's slot), as in `prefill_core_reference`.
       prefix_block: with prefix_rows > 0, tokens between prefix states (a multiple of C): the
         state after every prefix_block tokens of sequence q goes to prefix rows first, +1, ...
         (as many as its info gives) of [prefix_rows, H, K, V]; other rows are 0.
@@ -927,6 +930,8 @@ def prefill_core_packed_reference(
     z = gemv_reference(g_a, g_b, out_dtype=f32, bias=g_bias, precision=precision)
     y = o_norm_reference(o, z, o_norm_w, eps=eps, keep=valid.astype(f32), out_dtype=out_dtype)
     new = rows[:q_]
+    if nan_state is not None:
+        new = jnp.where(nan_state[:, None, None, None], jnp.nan, new)
     new_state = new if slots is None else pool_write(state, slots, new)
     return y, new_state, (None if pre is None else pre[:prefix_rows])
 

@@ -225,6 +225,33 @@ def test_a_nonfinite_token_or_state_poisons_its_own_sequence_only(backend, rng):
     assert not np.asarray(y[int(cu[3]) :]).any(), "padding outputs 0"
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_a_nonfinite_token_poisons_its_own_slot_only(backend, rng):
+    """From a pool: a NaN in token 5 of sequence 1 leaves NaN states at its slot only (written by
+    the state pass on the kernel path); sequence 0's slot holds its state and the untouched
+    slots keep their bits."""
+    cfg = K.preset("tiny")
+    c = cfg.chunk
+    lengths = [c + 2, 2 * c]
+    _, p, s0, key = _setup("tiny", rng, 2)
+    pool = jax.tree.map(lambda a: jnp.concatenate([a, 2 * a, 3 * a]), s0)  # 6 slots
+    slots = jnp.array([4, 1], jnp.int32)
+    x, cu = _pack(key, cfg, lengths)
+    x = x.at[int(cu[1]) + 5, 3].set(jnp.nan)
+    y0, st0 = K.prefill_packed(
+        p, cfg, x, cu, jax.tree.map(lambda a: a[slots], pool), backend=backend
+    )
+    y, st = K.prefill_packed(p, cfg, x, cu, pool, slots=slots, backend=backend)
+    for name in ("recurrent", "conv"):
+        got, old, want = (np.asarray(getattr(t, name)) for t in (st, pool, st0))
+        assert np.isnan(got[1]).all() and np.isnan(want[1]).all(), f"{name} of the bad sequence"
+        assert_close(got[4], want[0], FP32_TOL, f"{name} of sequence 0 at its slot")
+        np.testing.assert_array_equal(got[[0, 2, 3, 5]], old[[0, 2, 3, 5]], err_msg=name)
+    bad = int(cu[1]) + 5
+    assert np.isnan(np.asarray(y[bad : cu[2]])).all(), "NaN from the bad token on"
+    assert_close(y[:bad], y0[:bad], FP32_TOL, "outputs before it, as from the gathered states")
+
+
 @pytest.mark.parametrize("name", ["tiny", pytest.param("tiny-bounded", marks=pytest.mark.slow)])
 def test_packed_training_gradients(name, rng):
     """jax.grad through the xla packed prefill equals the sum of each sequence's own prefill
