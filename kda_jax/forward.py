@@ -833,10 +833,7 @@ def _packed_body(params, x, state, cu, slots, cfg, backend, interpret, precision
         (back >= 0)[..., None], qkv[lay.first[:, None] + back].astype(jnp.float32), old
     )
 
-    def nan_rows(a):
-        return jnp.where(tok.poisoned.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.nan, a)
-
-    conv = nan_rows(new_conv)  # [N, W-1, C]: small
+    conv = jnp.where(tok.poisoned[:, None, None], jnp.nan, new_conv)  # [N, W-1, C]: small
     new_state = KdaState(
         recurrent=rec, conv=conv if codes is None else ref.pool_write(state.conv, codes, conv)
     )
