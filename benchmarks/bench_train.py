@@ -4,9 +4,8 @@ Cases (H=32, K=V=128, both gates; B=1 T=8192, B=4 T=4096, B=8 T=2048):
 - `train_core`: gate + beta + L2 of q, k + chunked recurrence (`chunk_kda_reference`),
   gradients of q, k, v, the raw gate, beta, A_log, dt_bias and the initial state for a fixed
   random cotangent of o and of the final state. Backends: `xla` (every stage XLA's, the state
-  pass a `lax.scan`) and `pallas` (what the pallas backend's backward runs: the intra-chunk
-  stage XLA's but its decayed scores, those and the state pass on the Pallas kernels of
-  `chunk_scores` and `chunk_scan_vjp`).
+  pass a `lax.scan`) and `pallas` (what the pallas backend trains through: the chunked core
+  on the Pallas kernels of `chunk_vjp`, forward and backward).
   Baseline: FLA 0.6.0 `chunk_kda` (SPEC §9 options) on the same arrays, `o.backward` through
   torch autograd with the same cotangents, eager (autograd does not replay as a CUDA graph).
 - `train_block`: `forward.prefill` (kimi-linear-48b geometry, bf16 weights), gradients of every
@@ -71,19 +70,16 @@ def _l2(a):
 
 
 def core_loss(inputs, cts, lower_bound, chunk=DEFAULT_CHUNK, kernels=False):
-    """<o, do> + <final state, ds> of the core on FLA's input set; kernels: the state pass and
-    decayed scores on the Pallas kernels with VJPs and the intra-chunk stage not
-    rematerialised (what the pallas backend differentiates)."""
+    """<o, do> + <final state, ds> of the core on FLA's input set; kernels: the chunked core on
+    `chunk_vjp`'s kernels (what the pallas backend differentiates)."""
     q, k, v, g, beta, a_log, dt_bias, h0 = inputs
     do, ds = cts
     b, t, h, kd = q.shape
     gate, bet = ref.gate_reference(
         g.reshape(b, t, h * kd), beta, a_log, dt_bias, head_dim=kd, lower_bound=lower_bound
     )
-    o, st = ref.chunk_kda_reference(
-        _l2(q), _l2(k), v.astype(jnp.float32), gate, bet, h0, scale=kd**-0.5, chunk=chunk,
-        **(vjp_core() if kernels else {}),
-    )  # fmt: skip
+    core = vjp_core() if kernels else ref.chunk_kda_reference
+    o, st = core(_l2(q), _l2(k), v.astype(jnp.float32), gate, bet, h0, scale=kd**-0.5, chunk=chunk)
     return jnp.sum(o * do) + jnp.sum(st * ds)
 
 

@@ -7,9 +7,10 @@ stream).
 - `xla`: the pure-jnp references (any platform; the CPU default).
 - `pallas`: the Pallas Triton kernels (the GPU default); on a machine without a GPU they run in
   interpret mode, which is slow and meant for tests. Its gradients are those of `xla_vjp`
-  (internal): the xla references with the chunked core's state pass and decayed scores on
-  Pallas kernels. `stages("pallas", interpret=False)` gives the compiled kernels on any
-  machine (cross-lowering for a GPU), `interpret=True` the interpreted ones on a GPU.
+  (internal): the xla references around the chunked core, which runs on the Pallas kernels of
+  `chunk_vjp` (forward and backward). `stages("pallas", interpret=False)` gives the compiled
+  kernels on any machine (cross-lowering for a GPU), `interpret=True` the interpreted ones on
+  a GPU.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from pallas_kernels import reference as ref
 __all__ = ["BACKENDS", "Stages", "default_backend", "stages"]
 
 BACKENDS = ("xla", "pallas")
-# Internal: what the pallas backend differentiates, the xla references with the chunked core's
-# state pass and decayed scores on Pallas kernels with VJPs (`chunk_scan_vjp`, `chunk_scores`).
+# Internal: what the pallas backend differentiates, the xla references around the chunked core
+# on the Pallas kernels of `chunk_vjp.chunk_kda_vjp`.
 VJP_BACKEND = "xla_vjp"
 
 
@@ -70,19 +71,12 @@ def to_precision(value) -> lax.Precision | None:
         ) from None
 
 
-def vjp_core(interpret: bool | None = None) -> dict:
-    """The chunked core's options on VJP_BACKEND (`reference.chunk_kda_reference`'s scan,
-    scores and remat): the state pass and decayed scores on Pallas kernels with VJPs, the
-    intra-chunk stage not rematerialised (it runs inside `forward._xla_vjp`, which saves only
-    the block's inputs)."""
-    from pallas_kernels.chunk_scan_vjp import chunk_scan_vjp
-    from pallas_kernels.chunk_scores import chunk_scores
+def vjp_core(interpret: bool | None = None) -> Callable:
+    """The chunked core on VJP_BACKEND: `chunk_vjp.chunk_kda_vjp`, with
+    `reference.chunk_kda_reference`'s signature."""
+    from pallas_kernels.chunk_vjp import chunk_kda_vjp
 
-    return dict(
-        scan=functools.partial(chunk_scan_vjp, interpret=interpret),
-        scores=functools.partial(chunk_scores, interpret=interpret),
-        remat=False,
-    )
+    return functools.partial(chunk_kda_vjp, interpret=interpret)
 
 
 def stages(backend: str, *, interpret: bool | None = None, precision=None) -> Stages:
@@ -96,7 +90,7 @@ def stages(backend: str, *, interpret: bool | None = None, precision=None) -> St
     """
     prec = to_precision(precision)
     if backend in ("xla", VJP_BACKEND):
-        core = {}
+        core = None
         if backend == VJP_BACKEND:
             core = vjp_core(interpret)
         elif interpret is not None:
@@ -108,7 +102,7 @@ def stages(backend: str, *, interpret: bool | None = None, precision=None) -> St
             decode_front=bind(ref.decode_front_reference),
             conv_prefill=ref.conv_prefill_reference,
             decode_core=ref.decode_core_reference,
-            prefill_core=functools.partial(ref.prefill_core_reference, precision=prec, **core),
+            prefill_core=functools.partial(ref.prefill_core_reference, precision=prec, core=core),
             prefill_core_packed=bind(ref.prefill_core_packed_reference),
         )
     if backend == "pallas":

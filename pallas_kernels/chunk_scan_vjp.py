@@ -31,7 +31,7 @@ from pallas_kernels import common
 from pallas_kernels.chunk_prepare import ChunkIntermediates
 from pallas_kernels.chunk_scan import ScanBlockSizes, chunk_scan
 
-__all__ = ["chunk_scan_vjp"]
+__all__ = ["chunk_scan_vjp", "scan_bwd"]
 
 f32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # x @ y.T
@@ -60,7 +60,7 @@ def _chunk_scan_bwd_kernel(qg_ref, kg_ref, w_ref, a_ref, gl_ref, do_ref, ds_ref,
     dh0_ref[...] = lam_t.T
 
 
-def _scan_bwd(qg, kg, w, a, gl, do, ds, blk: ScanBlockSizes, interpret: bool):
+def scan_bwd(qg, kg, w, a, gl, do, ds, blk: ScanBlockSizes, interpret: bool):
     """(E [B, H, N*C, V], L [B, H, N, K, V], dS_0 [B, H, K, V]) from dO [B, N*C, H, V]."""
     bsz, h, tp, kd = qg.shape
     vd, n = do.shape[-1], gl.shape[2]
@@ -119,7 +119,7 @@ def _scan_bwd_rule(t, interpret, res, cts):
     chunk = tp // n
     do = jnp.pad(do.astype(f32), [(0, 0), (0, tp - t), (0, 0), (0, 0)])  # rows past T: no output
     blk = ScanBlockSizes.get_default(bsz, h, vd, chunk)
-    e, lam, dh0 = _scan_bwd(qg, kg, w, a, gl, do, ds.astype(f32), blk, interpret)
+    e, lam, dh0 = scan_bwd(qg, kg, w, a, gl, do, ds.astype(f32), blk, interpret)
     chunks = lambda x: x.reshape(bsz, h, n, chunk, x.shape[-1])  # noqa: E731
     do_c = jnp.moveaxis(do.reshape(bsz, n, chunk, h, vd), 3, 1)  # [B, H, N, C, V]
     e_c, delta_c = chunks(e), chunks(delta)

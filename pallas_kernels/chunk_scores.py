@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
 
-__all__ = ["chunk_scores"]
+__all__ = ["SUB", "chunk_scores", "scores_grads"]
 
 f32 = jnp.float32
 SUB = 16  # rows of a sub-block: the smallest Triton dot side
@@ -74,34 +74,43 @@ def _scores_kernel(x_ref, y_ref, g_ref, s_ref, *, strict: bool):
             s_ref[pl.ds(bi * SUB, SUB), pl.ds(bj * SUB, SUB)] = out
 
 
-def _scores_bwd_kernel(ds_ref, x_ref, y_ref, g_ref, dx_ref, dy_ref, dg_ref, *, strict: bool):
-    c, bk = x_ref.shape
-    n = c // SUB
+def scores_grads(ds_ref, ds_col: int, x_ref, y_ref, g_ref, kk, strict: bool):
+    """dx, dy of the decayed scores for dS = ds_ref[:, ds_col : ds_col + C], on the K columns
+    `kk` (a pl.ds) of x, y, g [C, K]: lists of [16, BK] per 16-row block. The same walk as the
+    forward; dg = x dx - y dy is left to the caller."""
+    c = x_ref.shape[0]
+    n, bk = c // SUB, kk.size
     col = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
     row_ids = lax.broadcasted_iota(jnp.int32, (SUB, bk), 0)
     dx = [jnp.zeros((SUB, bk), f32) for _ in range(n)]
     dy = [jnp.zeros((SUB, bk), f32) for _ in range(n)]
     for bi in range(n):
         rows = pl.ds(bi * SUB, SUB)
-        x_i, g_i = x_ref[rows, :], g_ref[rows, :]
-        g_r = g_ref[pl.ds(bi * SUB, 1), :]
+        x_i, g_i = x_ref[rows, kk], g_ref[rows, kk]
+        g_r = g_ref[pl.ds(bi * SUB, 1), kk]
         e_ir = jnp.exp(g_i - g_r)
         for bj in range(bi):
             cols = pl.ds(bj * SUB, SUB)
-            ds_ij = ds_ref[rows, cols]
-            e_rj = jnp.exp(g_r - g_ref[cols, :])
-            y_r = y_ref[cols, :] * e_rj
+            ds_ij = ds_ref[rows, pl.ds(ds_col + bj * SUB, SUB)]
+            e_rj = jnp.exp(g_r - g_ref[cols, kk])
+            y_r = y_ref[cols, kk] * e_rj
             dx[bi] += e_ir * jnp.dot(ds_ij, y_r, preferred_element_type=f32)
             dy[bj] += e_rj * lax.dot_general(ds_ij, x_i * e_ir, _TN, preferred_element_type=f32)
-        ds_ii = ds_ref[rows, pl.ds(bi * SUB, SUB)]
+        ds_ii = ds_ref[rows, pl.ds(ds_col + bi * SUB, SUB)]
         for j in range(SUB):
             row = pl.ds(bi * SUB + j, 1)
-            e = jnp.exp(_diag_exponent(g_i, g_ref[row, :], j, strict))  # 0 where masked
+            e = jnp.exp(_diag_exponent(g_i, g_ref[row, kk], j, strict))  # 0 where masked
             d_j = jnp.sum(jnp.where(col == j, ds_ii, 0.0), axis=1, keepdims=True)  # [16, 1]
-            dx[bi] += d_j * y_ref[row, :] * e
+            dx[bi] += d_j * y_ref[row, kk] * e
             dy_j = jnp.sum(d_j * x_i * e, axis=0, keepdims=True)  # [1, BK]
             dy[bi] += jnp.where(row_ids == j, dy_j, 0.0)
-    for bi in range(n):
+    return dx, dy
+
+
+def _scores_bwd_kernel(ds_ref, x_ref, y_ref, g_ref, dx_ref, dy_ref, dg_ref, *, strict: bool):
+    c, bk = x_ref.shape
+    dx, dy = scores_grads(ds_ref, 0, x_ref, y_ref, g_ref, pl.ds(0, bk), strict)
+    for bi in range(c // SUB):
         rows = pl.ds(bi * SUB, SUB)
         dx_ref[rows, :] = dx[bi]
         dy_ref[rows, :] = dy[bi]

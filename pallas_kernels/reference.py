@@ -545,20 +545,18 @@ def _unit_lower_solve_bwd(res, dx):
 unit_lower_solve.defvjp(_unit_lower_solve_fwd, _unit_lower_solve_bwd)
 
 
-def _chunk_local(q, k, v, g, beta, scale, scores=None):
+def _chunk_local(q, k, v, g, beta, scale):
     """Intra-chunk stage (SPEC §5 steps 1-3) of any number of chunks at once.
 
     q, k, g: [..., C, K]; v: [..., C, V]; beta: [..., C] (pads neutral: g = beta = k = 0).
     Returns (qg, kg, w, u, a, gl): qg = s q exp(G), kg = k exp(G_last - G), w = T(beta k exp(G)),
     u = T(beta v) with T = (I + beta strict-lower(k k^T decayed))^-1, a = s (q k^T decayed, j <= i)
     [..., C, C], gl = exp(G_last) [..., K]; G the inclusive chunk-local cumsum of g.
-    scores: the decayed scores, with `_chunk_scores`'s signature (None: that function).
     """
     c, kd = q.shape[-2:]
-    scores = scores or _chunk_scores
     gc = jnp.cumsum(g, axis=-2)
-    a = scale * scores(q, k, gc, False)
-    i_plus_l = jnp.eye(c, dtype=q.dtype) + beta[..., None] * scores(k, k, gc, True)
+    a = scale * _chunk_scores(q, k, gc, False)
+    i_plus_l = jnp.eye(c, dtype=q.dtype) + beta[..., None] * _chunk_scores(k, k, gc, True)
     rhs = beta[..., None] * jnp.concatenate([k * jnp.exp(gc), v], axis=-1)
     wu = unit_lower_solve(i_plus_l, rhs)
     g_last = gc[..., -1:, :]
@@ -593,17 +591,14 @@ def chunk_kda_reference(
     *,
     scale: float,
     chunk: int,
-    scan=None,
-    scores=None,
-    remat: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked delta-rule prefill (SPEC §5) over T tokens from a carried state.
 
     Pad positions must already be neutral (g = 0, beta = 0, k = 0; `kda_jax` zeroes them from
     `lengths`), so the state after T tokens equals the state after each row's real tokens. The
-    intra-chunk stage runs over all chunks at once, rematerialised in the backward pass if
-    `remat` (it then keeps its inputs, not its [C, C] and [C, K] intermediates); the state pass
-    and output are `scan`.
+    intra-chunk stage runs over all chunks at once, rematerialised in the backward pass (it
+    keeps its inputs, not its [C, C] and [C, K] intermediates); the state pass and output are
+    `chunk_scan_reference`'s `lax.scan`.
 
     Args:
       q, k: [B, T, H, K] fp32, L2-normalised (q unscaled).
@@ -612,13 +607,6 @@ def chunk_kda_reference(
       beta: [B, T, H] fp32.
       state: [B, H, K, V] fp32.
       chunk: C; T need not be a multiple of it.
-      scan: the state pass, with `chunk_scan_reference`'s signature (None: that function, a
-        `lax.scan`; the pallas backend's backward passes `chunk_scan_vjp.chunk_scan_vjp`).
-      scores: the intra-chunk decayed scores, as in `_chunk_local` (the pallas backend's
-        backward passes `chunk_scores.chunk_scores`).
-      remat: False where the caller's own VJP already saves only its inputs (the pallas
-        backend's backward): its intermediates then live for one backward pass only, and the
-        intra-chunk stage is not computed a second time.
     Returns:
       o: [B, T, H, V] fp32; new_state: [B, H, K, V] fp32 (float64 for float64 inputs, which
       the gradient checks use).
@@ -626,10 +614,9 @@ def chunk_kda_reference(
     b, t, h = q.shape[:3]
     dtype = jnp.promote_types(q.dtype, f32)
     xs = tuple(_to_chunks(a.astype(dtype), chunk) for a in (q, k, v, g, beta))  # [B, H, N, C, .]
-    local = jax.checkpoint(_chunk_local, static_argnums=(5, 6)) if remat else _chunk_local
-    *mats, gl = local(*xs, scale, scores)
+    *mats, gl = jax.checkpoint(_chunk_local, static_argnums=(5,))(*xs, scale)
     flat = lambda a: a.reshape(b, h, -1, a.shape[-1])  # noqa: E731 - [B, H, N*C, .]
-    return (scan or chunk_scan_reference)(*map(flat, mats), gl, state.astype(dtype), t=t)
+    return chunk_scan_reference(*map(flat, mats), gl, state.astype(dtype), t=t)
 
 
 # --------------------------------------------------------------------------------------------
@@ -749,9 +736,7 @@ def prefill_core_reference(
     slots: jax.Array | None = None,
     nan_state: jax.Array | None = None,
     precision=None,
-    scan=None,
-    scores=None,
-    remat: bool = True,
+    core=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Gate, beta, chunked recurrence and gated RMSNorm over T padded tokens.
 
@@ -770,8 +755,8 @@ def prefill_core_reference(
       nan_state: optional [B] bool: rows whose final state is NaN (a non-finite real token;
         with slots, written at the row's slot); their gradients are zero.
       precision: of z's product (None: HIGHEST).
-      scan, scores, remat: the chunked core's state pass, decayed scores and rematerialisation
-        (`chunk_kda_reference`).
+      core: the chunked core, with `chunk_kda_reference`'s signature (None: that function; the
+        pallas backend's backward passes `chunk_vjp.chunk_kda_vjp`).
     Returns:
       y: [B, T, P] out_dtype; new_state: [B, H, K, V] fp32 (with slots, the pool).
     """
@@ -798,9 +783,7 @@ def prefill_core_reference(
             poison=poison,
             nan_state=nan_state,
             precision=precision,
-            scan=scan,
-            scores=scores,
-            remat=remat,
+            core=core,
         )
         return y, pool_write(state, slots, new_rows)
     t = q.shape[1]
@@ -809,9 +792,7 @@ def prefill_core_reference(
     vm = valid[..., None, None]
     q, k, v, g = (jnp.where(vm, a.astype(f32), 0.0) for a in (q, k, v, g))
     beta = jnp.where(valid[..., None], beta, 0.0)
-    o, new_state = chunk_kda_reference(
-        q, k, v, g, beta, state, scale=scale, chunk=chunk, scan=scan, scores=scores, remat=remat
-    )
+    o, new_state = (core or chunk_kda_reference)(q, k, v, g, beta, state, scale=scale, chunk=chunk)
     if nan_state is not None:
         new_state = jnp.where(nan_state[:, None, None, None], jnp.nan, new_state)
     keep = common.output_keep(lengths, t, poison)

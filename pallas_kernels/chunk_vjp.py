@@ -1,0 +1,250 @@
+"""The chunked core with a VJP on Pallas kernels: what the pallas backend trains through.
+
+Forward (per chunk, G the chunk-local cumsum of g, as `reference._chunk_local`):
+
+    A = s S(q, k; G)   M = I + beta S_strict(k, k; G)   T = M^-1   w, u = T beta [k exp(G), v]
+    then `chunk_scan` (saving the state S_n before each chunk and Delta_n)
+
+with the decayed scores on `chunk_scores`' kernel and T by `reference.unit_lower_solve`'s
+doubling. Saved: the chunked inputs, G, T, S_strict(k, k), the scan's intermediates, S_n and
+Delta_n. Backward: `chunk_scan_vjp`'s reverse-time kernel gives E_n = dLoss/dDelta_n and
+L_n = dLoss/dS_n+1; then one program per (sequence, head, chunk) forms every gradient of the
+chunk in one pass (`_local_bwd_kernel`): the products with S_n and L_n that give d qg, d w,
+d kg, d A and d exp(G_last); back through w, u = T rhs (d rhs = T^T [dw, du], dM =
+-strict_lower(d rhs [w, u]^T)); the elementwise gates; and the decayed scores' VJPs, the same
+16-row walk as `chunk_scores`' (every exponent <= 0, any decay strength). XLA does the
+reverse cumsum that turns dG into dg.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels import common
+from pallas_kernels import reference as ref
+from pallas_kernels.chunk_prepare import ChunkIntermediates
+from pallas_kernels.chunk_scan import ScanBlockSizes, chunk_scan
+from pallas_kernels.chunk_scan_vjp import scan_bwd
+from pallas_kernels.chunk_scores import SUB, chunk_scores, scores_grads
+
+__all__ = ["chunk_kda_vjp"]
+
+f32 = jnp.float32
+_NT = (((1,), (1,)), ((), ()))  # x @ y.T
+_TN = (((0,), (0,)), ((), ()))  # x.T @ y
+_BLOCK = 32  # K and V slices of the backward kernel
+
+
+def _dot(x, y, dims=None):
+    if dims is None:
+        return jnp.dot(x, y, preferred_element_type=f32)
+    return lax.dot_general(x, y, dims, preferred_element_type=f32)
+
+
+def _local_bwd_kernel(
+    q_ref,  # [C, K] q (unscaled)
+    k_ref,  # [C, K]
+    v_ref,  # [C, V]
+    gc_ref,  # [C, K] G, the chunk-local cumsum of g
+    beta_ref,  # [C]
+    t_ref,  # [C, C] T = M^-1
+    skk_ref,  # [C, C] S_strict(k, k)
+    hs_ref,  # [K, V] S_n, the state before the chunk
+    lam_ref,  # [K, V] L_n = dLoss/dS_n+1
+    delta_ref,  # [C, V]
+    e_ref,  # [C, V] dLoss/dDelta_n
+    do_ref,  # [C, V] (read from [B, N*C, H, V])
+    dq_ref,  # [C, K]
+    dk_ref,  # [C, K]
+    dv_ref,  # [C, V]
+    dgc_ref,  # [C, K] dLoss/dG
+    dbeta_ref,  # [C]
+    ds_ref,  # [C, 2C] scratch: dLoss/dS of the two score matrices
+    *,
+    scale: float,
+    interpret: bool,
+):
+    c, kd = q_ref.shape
+    vd = v_ref.shape[1]
+    bk, bv = min(_BLOCK, kd), min(_BLOCK, vd)
+    tm = t_ref[...]
+    beta = beta_ref[...]
+    bcol = beta[:, None]
+    rows = lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    last = lax.broadcasted_iota(jnp.int32, (c, bk), 0) == c - 1
+    da = jnp.zeros((c, c), f32)
+    dm = jnp.zeros((c, c), f32)  # dLoss/dM before the strict-lower mask and sign
+    dbeta = jnp.zeros((c,), f32)
+    for ks in range(0, kd, bk):  # pass 1: everything but the scores' VJPs, by K slices
+        kk = pl.ds(ks, bk)
+        dqg = jnp.zeros((c, bk), f32)
+        dw = jnp.zeros((c, bk), f32)
+        dkg = jnp.zeros((c, bk), f32)
+        dgl = jnp.zeros((bk,), f32)
+        for vs in range(0, vd, bv):
+            vv = pl.ds(vs, bv)
+            do, e, delta = do_ref[:, vv], e_ref[:, vv], delta_ref[:, vv]
+            s_n, lam = hs_ref[kk, vv], lam_ref[kk, vv]
+            dqg += _dot(do, s_n, _NT)
+            dw -= _dot(e, s_n, _NT)
+            dkg += _dot(delta, lam, _NT)
+            dgl += jnp.sum(s_n * lam, axis=1)
+            if ks == 0:  # the V side, once
+                v = v_ref[:, vv]
+                da += _dot(do, delta, _NT)
+                drhs_v = _dot(tm, e, _TN)  # T^T du
+                dm += _dot(drhs_v, _dot(tm, bcol * v), _NT)  # d rhs_v u^T
+                dv_ref[:, vv] = bcol * drhs_v
+                dbeta += jnp.sum(drhs_v * v, axis=1)
+        q, k, g = q_ref[:, kk], k_ref[:, kk], gc_ref[:, kk]
+        g_last = gc_ref[pl.ds(c - 1, 1), kk]  # [1, BK]
+        eg, el = jnp.exp(g), jnp.exp(g_last - g)
+        kg, ke = k * el, k * eg
+        drhs_k = _dot(tm, dw, _TN)  # T^T dw
+        dm += _dot(drhs_k, _dot(tm, bcol * ke), _NT)  # d rhs_k w^T
+        dbeta += jnp.sum(drhs_k * ke, axis=1)
+        dgl_last = jnp.sum(kg * dkg, axis=0) + jnp.exp(g_last[0]) * dgl  # dLoss/dG_last
+        dq_ref[:, kk] = scale * eg * dqg
+        dk_ref[:, kk] = el * dkg + bcol * eg * drhs_k
+        dgc = scale * q * eg * dqg - kg * dkg + bcol * ke * drhs_k
+        dgc_ref[:, kk] = dgc + jnp.where(last, dgl_last[None, :], 0.0)
+    dm = jnp.where(cols < rows, -dm, 0.0)
+    dbeta_ref[...] = dbeta + jnp.sum(dm * skk_ref[...], axis=1)
+    ds_ref[:, pl.ds(0, c)] = jnp.where(cols <= rows, scale * da, 0.0)
+    ds_ref[:, pl.ds(c, c)] = bcol * dm
+    common.barrier(interpret)  # the stores above, read back below by other threads
+    n = c // SUB
+    for ks in range(0, kd, bk):  # pass 2: the scores' VJPs, by K slices
+        kk = pl.ds(ks, bk)
+        dxq, dyq = scores_grads(ds_ref, 0, q_ref, k_ref, gc_ref, kk, False)
+        dxk, dyk = scores_grads(ds_ref, c, k_ref, k_ref, gc_ref, kk, True)
+        for bi in range(n):
+            r = pl.ds(bi * SUB, SUB)
+            q, k = q_ref[r, kk], k_ref[r, kk]
+            dk = dyq[bi] + dxk[bi] + dyk[bi]
+            dq_ref[r, kk] += dxq[bi]
+            dk_ref[r, kk] += dk
+            dgc_ref[r, kk] += q * dxq[bi] + k * (dxk[bi] - dyq[bi] - dyk[bi])
+
+
+def _local_bwd(q, k, v, gc, beta, tm, skk, hs, lam, delta, e, do, *, scale, interpret):
+    """Every gradient of the intra-chunk stage; inputs [B, H, N*C, .] (beta [B, H, N*C], the
+    states [B, H, N, K, V], do [B, N*C, H, V]); returns dq, dk, dv, dG, dbeta [B, H, N*C, .]."""
+    bsz, h, tp, kd = q.shape
+    vd, n = v.shape[-1], hs.shape[2]
+    c = tp // n
+
+    def rows(d):
+        return pl.BlockSpec((None, None, c, d), lambda s, hh, i: (s, hh, i, 0))
+
+    vec = pl.BlockSpec((None, None, c), lambda s, hh, i: (s, hh, i))
+    state = pl.BlockSpec((None, None, None, kd, vd), lambda s, hh, i: (s, hh, i, 0, 0))
+    shape = lambda d: jax.ShapeDtypeStruct((bsz, h, tp, d), f32)  # noqa: E731
+    dq, dk, dv, dgc, dbeta, _ = pl.pallas_call(
+        functools.partial(_local_bwd_kernel, scale=scale, interpret=interpret),
+        out_shape=(
+            shape(kd),
+            shape(kd),
+            shape(vd),
+            shape(kd),
+            jax.ShapeDtypeStruct((bsz, h, tp), f32),
+            shape(2 * c),
+        ),
+        grid=(bsz, h, n),
+        in_specs=[
+            rows(kd),
+            rows(kd),
+            rows(vd),
+            rows(kd),
+            vec,
+            rows(c),
+            rows(c),
+            state,
+            state,
+            rows(vd),
+            rows(vd),
+            pl.BlockSpec((None, c, None, vd), lambda s, hh, i: (s, i, hh, 0)),
+        ],
+        out_specs=(rows(kd), rows(kd), rows(vd), rows(kd), vec, rows(2 * c)),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        name="kda_chunk_local_bwd",
+        interpret=interpret,
+    )(q, k, v, gc, beta, tm, skk, hs, lam, delta, e, do)
+    return dq, dk, dv, dgc, dbeta
+
+
+def _forward(scale, chunk, t, interpret, q, k, v, g, beta, state):
+    b, _, h, kd = q.shape
+    xs = tuple(ref._to_chunks(a, chunk) for a in (q, k, v, g, beta))  # [B, H, N, C, .]
+    qc, kc, vc, gc, bc = xs
+    gc = jnp.cumsum(gc, axis=-2)
+    scores = functools.partial(chunk_scores, interpret=interpret)
+    a = scale * scores(qc, kc, gc, False)
+    skk = scores(kc, kc, gc, True)
+    eye = jnp.eye(chunk, dtype=f32)
+    tm = ref._unit_lower_inverse(eye + bc[..., None] * skk)
+    rhs = bc[..., None] * jnp.concatenate([kc * jnp.exp(gc), vc], axis=-1)
+    wu = jnp.einsum("...ij,...jn->...in", tm, rhs, precision=lax.Precision.HIGHEST)
+    g_last = gc[..., -1:, :]
+    flat = lambda x: x.reshape(b, h, -1, *x.shape[4:])  # noqa: E731 - [B, H, N*C, .]
+    inter = ChunkIntermediates(
+        qg=flat(scale * qc * jnp.exp(gc)),
+        kg=flat(kc * jnp.exp(g_last - gc)),
+        w=flat(wu[..., :kd]),
+        u=flat(wu[..., kd:]),
+        a=flat(a),
+        gl=jnp.exp(g_last[..., 0, :]),
+    )
+    o, new_state, hs, delta = chunk_scan(
+        inter, state, t=t, out_dtype=f32, save_states=True, interpret=interpret
+    )
+    saved = (inter.qg, inter.kg, inter.w, inter.a, inter.gl)  # what the reverse pass reads
+    res = tuple(map(flat, (qc, kc, vc, gc, bc, tm, skk))) + (saved, hs, delta)
+    return (o, new_state), res
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _core(scale, chunk, t, interpret, q, k, v, g, beta, state):
+    return _forward(scale, chunk, t, interpret, q, k, v, g, beta, state)[0]
+
+
+def _core_bwd(scale, chunk, t, interpret, res, cts):
+    qc, kc, vc, gc, bc, tm, skk, inter, hs, delta = res
+    do, ds = cts
+    bsz, h, tp, kd = qc.shape
+    vd, n = vc.shape[-1], hs.shape[2]
+    do = jnp.pad(do.astype(f32), [(0, 0), (0, tp - t), (0, 0), (0, 0)])  # rows past T: no output
+    blk = ScanBlockSizes.get_default(bsz, h, vd, chunk)
+    e, lam, dh0 = scan_bwd(*inter, do, ds.astype(f32), blk, interpret)
+    dq, dk, dv, dgc, dbeta = _local_bwd(
+        qc, kc, vc, gc, bc, tm, skk, hs, lam, delta, e, do, scale=scale, interpret=interpret
+    )
+    dgc = dgc.reshape(bsz, h, n, chunk, kd)
+    dg = jnp.flip(jnp.cumsum(jnp.flip(dgc, -2), axis=-2), -2).reshape(bsz, h, tp, kd)
+    back = lambda x: jnp.moveaxis(x, 1, 2)[:, :t]  # noqa: E731 - [B, T, H, .]
+    return back(dq), back(dk), back(dv), back(dg), back(dbeta), dh0
+
+
+_core.defvjp(lambda *a: _forward(*a), _core_bwd)
+
+
+def chunk_kda_vjp(q, k, v, g, beta, state, *, scale: float, chunk: int,
+                  interpret: bool | None = None):  # fmt: skip
+    """`reference.chunk_kda_reference` (same arguments and pad rules, fp32) on the Pallas
+    kernels, with a VJP to q, k, v, g, beta and the state. Returns (o [B, T, H, V] fp32,
+    new_state [B, H, K, V] fp32)."""
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, state=state)
+    for name, x in args.items():
+        if x.dtype != f32:
+            raise ValueError(f"chunk_kda_vjp: {name} is {x.dtype}, expected float32")
+    if chunk % SUB or chunk & (chunk - 1):
+        raise ValueError(f"chunk_kda_vjp: chunk={chunk}; expected a power of two >= {SUB}")
+    t = q.shape[1]
+    return _core(float(scale), int(chunk), t, common.resolve_interpret(interpret), *args.values())
