@@ -1,5 +1,6 @@
-"""Decayed scores of whole chunks on the Triton backend, with a VJP: what the pallas backend's
-backward forms its intra-chunk stage with (the reference is `reference._chunk_scores`).
+"""Decayed scores of whole chunks on the Triton backend: what the training path's forward forms
+its intra-chunk stage with (the reference is `reference._chunk_scores`), and the walk its
+backward kernel (`chunk_vjp`) runs for their gradients.
 
     S_ij = sum_k x_ik y_jk exp(g_ik - g_jk)  for j <= i (j < i if strict), else 0      [C, C]
 
@@ -8,8 +9,8 @@ S is formed, but exp(g_i) alone may overflow (the unbounded gate). One program p
 16-row sub-blocks: a block below the diagonal factors through the first row r of its row block,
 exp(g_i - g_r) exp(g_r - g_j) with both exponents <= 0, into one [16, K] x [K, 16] product; the
 diagonal block is formed column by column, its exponents masked to -inf above the diagonal
-before the exp. The VJP is the same walk (dx, dy, and dg = x dx - y dy), one program per chunk
-and K slice, since every gradient is elementwise in K once dS is known.
+before the exp. The gradients are the same walk (`scores_grads`: dx, dy, and dg = x dx - y dy),
+over K slices, since every gradient is elementwise in K once dS is known.
 """
 
 from __future__ import annotations
@@ -107,16 +108,6 @@ def scores_grads(ds_ref, ds_col: int, x_ref, y_ref, g_ref, kk, strict: bool):
     return dx, dy
 
 
-def _scores_bwd_kernel(ds_ref, x_ref, y_ref, g_ref, dx_ref, dy_ref, dg_ref, *, strict: bool):
-    c, bk = x_ref.shape
-    dx, dy = scores_grads(ds_ref, 0, x_ref, y_ref, g_ref, pl.ds(0, bk), strict)
-    for bi in range(c // SUB):
-        rows = pl.ds(bi * SUB, SUB)
-        dx_ref[rows, :] = dx[bi]
-        dy_ref[rows, :] = dy[bi]
-        dg_ref[rows, :] = x_ref[rows, :] * dx[bi] - y_ref[rows, :] * dy[bi]
-
-
 def _check(x, y, g):
     c, kd = x.shape[-2:]
     if x.shape != y.shape or x.shape != g.shape:
@@ -151,41 +142,8 @@ def _forward(strict, interpret, x, y, g):
     return s.reshape(*lead, c, c)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _scores(strict, interpret, x, y, g):
-    return _forward(strict, interpret, x, y, g)
-
-
-def _scores_fwd(strict, interpret, x, y, g):
-    return _forward(strict, interpret, x, y, g), (x, y, g)
-
-
-def _scores_bwd(strict, interpret, res, ds):
-    x, y, g = res
-    lead, (c, kd) = x.shape[:-2], x.shape[-2:]
-    flat = lambda a: a.reshape(-1, *a.shape[-2:])  # noqa: E731
-    units = flat(x).shape[0]
-    bk = _block_k(kd)
-    blk = pl.BlockSpec((None, c, bk), lambda u, kk: (u, 0, kk))
-    out = jax.ShapeDtypeStruct((units, c, kd), f32)
-    grads = pl.pallas_call(
-        functools.partial(_scores_bwd_kernel, strict=strict),
-        out_shape=(out, out, out),
-        grid=(units, kd // bk),
-        in_specs=[pl.BlockSpec((None, c, c), lambda u, kk: (u, 0, 0)), blk, blk, blk],
-        out_specs=(blk, blk, blk),
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
-        name="kda_chunk_scores_bwd",
-        interpret=interpret,
-    )(flat(ds.astype(f32)), flat(x), flat(y), flat(g))
-    return tuple(a.reshape(*lead, c, kd) for a in grads)
-
-
-_scores.defvjp(_scores_fwd, _scores_bwd)
-
-
 def chunk_scores(x, y, g, strict: bool, *, interpret: bool | None = None) -> jax.Array:
     """`reference._chunk_scores` (x, y, g: [..., C, K] fp32 -> [..., C, C]) on the Pallas
-    kernels, differentiable in x, y and g."""
+    kernel (forward only: `chunk_vjp` differentiates the core around it)."""
     _check(x, y, g)
-    return _scores(bool(strict), common.resolve_interpret(interpret), x, y, g)
+    return _forward(bool(strict), common.resolve_interpret(interpret), x, y, g)

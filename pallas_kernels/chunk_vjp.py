@@ -7,13 +7,19 @@ Forward (per chunk, G the chunk-local cumsum of g, as `reference._chunk_local`):
 
 with the decayed scores on `chunk_scores`' kernel and T by `reference.unit_lower_solve`'s
 doubling. Saved: the chunked inputs, G, T, S_strict(k, k), the scan's intermediates, S_n and
-Delta_n. Backward: `chunk_scan_vjp`'s reverse-time kernel gives E_n = dLoss/dDelta_n and
-L_n = dLoss/dS_n+1; then one program per (sequence, head, chunk) forms every gradient of the
-chunk in one pass (`_local_bwd_kernel`): the products with S_n and L_n that give d qg, d w,
-d kg, d A and d exp(G_last); back through w, u = T rhs (d rhs = T^T [dw, du], dM =
--strict_lower(d rhs [w, u]^T)); the elementwise gates; and the decayed scores' VJPs, the same
-16-row walk as `chunk_scores`' (every exponent <= 0, any decay strength). XLA does the
-reverse cumsum that turns dG into dg.
+Delta_n. Backward, with L_n = dLoss/dS_n+1 (L_N-1 = the final state's cotangent), the only
+serial part is one walk over the chunks in reverse (`_chunk_scan_bwd_kernel`), one program per
+(sequence, head, V tile) with L's tile in registers (held transposed, as the forward holds S):
+
+    E_n   = A_n^T dO_n + kg_n L_n                   [C, BV]  (dLoss/dDelta_n = dLoss/du_n)
+    L_n-1 = gl_n L_n + qg_n^T dO_n - w_n^T E_n      [K, BV]  (L_-1 = the initial state's)
+
+then one program per (sequence, head, chunk) forms every gradient of the chunk in one pass
+(`_local_bwd_kernel`): the products with S_n and L_n that give d qg = dO S^T, d w = -E S^T,
+d kg = Delta L^T, d A = dO Delta^T and d exp(G_last) = sum_v S * L; back through w, u = T rhs
+(d rhs = T^T [dw, du], dM = -strict_lower(d rhs [w, u]^T)); the elementwise gates; and the
+decayed scores' VJPs, the same 16-row walk as `chunk_scores`' (every exponent <= 0, any decay
+strength). XLA does the reverse cumsum that turns dG into dg.
 """
 
 from __future__ import annotations
@@ -30,7 +36,6 @@ from pallas_kernels import common
 from pallas_kernels import reference as ref
 from pallas_kernels.chunk_prepare import ChunkIntermediates
 from pallas_kernels.chunk_scan import ScanBlockSizes, chunk_scan
-from pallas_kernels.chunk_scan_vjp import scan_bwd
 from pallas_kernels.chunk_scores import SUB, chunk_scores, scores_grads
 
 __all__ = ["chunk_kda_vjp"]
@@ -45,6 +50,63 @@ def _dot(x, y, dims=None):
     if dims is None:
         return jnp.dot(x, y, preferred_element_type=f32)
     return lax.dot_general(x, y, dims, preferred_element_type=f32)
+
+
+def _chunk_scan_bwd_kernel(qg_ref, kg_ref, w_ref, a_ref, gl_ref, do_ref, ds_ref, e_ref, lam_ref,
+                           dh0_ref, *, chunk: int):  # fmt: skip
+    """One (sequence, head, V tile): the chunks in reverse, L^T [BV, K] in registers."""
+    n_chunks = gl_ref.shape[0]
+
+    def step(i, lam_t):
+        n = n_chunks - 1 - i
+        rows = pl.ds(n * chunk, chunk)
+        lam_ref[n] = lam_t.T
+        do = do_ref[rows, :].astype(f32)  # [C, BV]
+        e = lax.dot_general(a_ref[rows, :], do, _TN, preferred_element_type=f32)
+        e += lax.dot_general(kg_ref[rows, :], lam_t, _NT, preferred_element_type=f32)
+        e_ref[rows, :] = e
+        lam_t = gl_ref[pl.ds(n, 1), :] * lam_t
+        lam_t += lax.dot_general(do, qg_ref[rows, :], _TN, preferred_element_type=f32)
+        lam_t -= lax.dot_general(e, w_ref[rows, :], _TN, preferred_element_type=f32)
+        return lam_t
+
+    lam_t = lax.fori_loop(0, n_chunks, step, ds_ref[...].astype(f32).T)
+    dh0_ref[...] = lam_t.T
+
+
+def _scan_bwd(qg, kg, w, a, gl, do, ds, blk: ScanBlockSizes, interpret: bool):
+    """(E [B, H, N*C, V], L [B, H, N, K, V], dS_0 [B, H, K, V]) from dO [B, N*C, H, V]."""
+    bsz, h, tp, kd = qg.shape
+    vd, n = do.shape[-1], gl.shape[2]
+    chunk, bv = tp // n, blk.block_v
+    whole = lambda d: pl.BlockSpec((None, None, tp, d), lambda s, hh, j: (s, hh, 0, 0))  # noqa: E731
+    tile = pl.BlockSpec((None, None, kd, bv), lambda s, hh, j: (s, hh, 0, j))
+    return pl.pallas_call(
+        functools.partial(_chunk_scan_bwd_kernel, chunk=chunk),
+        out_shape=(
+            jax.ShapeDtypeStruct((bsz, h, tp, vd), f32),
+            jax.ShapeDtypeStruct((bsz, h, n, kd, vd), f32),
+            jax.ShapeDtypeStruct((bsz, h, kd, vd), f32),
+        ),
+        grid=(bsz, h, vd // bv),
+        in_specs=[
+            whole(kd),
+            whole(kd),
+            whole(kd),
+            whole(chunk),
+            pl.BlockSpec((None, None, n, kd), lambda s, hh, j: (s, hh, 0, 0)),
+            pl.BlockSpec((None, tp, None, bv), lambda s, hh, j: (s, 0, hh, j)),
+            tile,
+        ],
+        out_specs=(
+            pl.BlockSpec((None, None, tp, bv), lambda s, hh, j: (s, hh, 0, j)),
+            pl.BlockSpec((None, None, n, kd, bv), lambda s, hh, j: (s, hh, 0, 0, j)),
+            tile,
+        ),
+        compiler_params=plt.CompilerParams(num_warps=blk.num_warps, num_stages=blk.num_stages),
+        name="kda_chunk_scan_bwd",
+        interpret=interpret,
+    )(qg, kg, w, a, gl, do, ds)
 
 
 def _local_bwd_kernel(
@@ -216,13 +278,13 @@ def _core(scale, chunk, t, interpret, q, k, v, g, beta, state):
 
 
 def _core_bwd(scale, chunk, t, interpret, res, cts):
-    qc, kc, vc, gc, bc, tm, skk, inter, hs, delta = res
+    qc, kc, vc, gc, bc, tm, skk, saved, hs, delta = res
     do, ds = cts
     bsz, h, tp, kd = qc.shape
     vd, n = vc.shape[-1], hs.shape[2]
     do = jnp.pad(do.astype(f32), [(0, 0), (0, tp - t), (0, 0), (0, 0)])  # rows past T: no output
     blk = ScanBlockSizes.get_default(bsz, h, vd, chunk)
-    e, lam, dh0 = scan_bwd(*inter, do, ds.astype(f32), blk, interpret)
+    e, lam, dh0 = _scan_bwd(*saved, do, ds.astype(f32), blk, interpret)
     dq, dk, dv, dgc, dbeta = _local_bwd(
         qc, kc, vc, gc, bc, tm, skk, hs, lam, delta, e, do, scale=scale, interpret=interpret
     )
@@ -244,7 +306,9 @@ def chunk_kda_vjp(q, k, v, g, beta, state, *, scale: float, chunk: int,
     for name, x in args.items():
         if x.dtype != f32:
             raise ValueError(f"chunk_kda_vjp: {name} is {x.dtype}, expected float32")
-    if chunk % SUB or chunk & (chunk - 1):
-        raise ValueError(f"chunk_kda_vjp: chunk={chunk}; expected a power of two >= {SUB}")
+    kd, vd = q.shape[-1], v.shape[-1]
+    for name, n in (("chunk", chunk), ("K", kd), ("V", vd)):
+        if n < SUB or n & (n - 1):
+            raise ValueError(f"chunk_kda_vjp: {name}={n}; expected a power of two >= {SUB}")
     t = q.shape[1]
     return _core(float(scale), int(chunk), t, common.resolve_interpret(interpret), *args.values())

@@ -23,8 +23,8 @@ from pallas_kernels import reference as ref
 from pallas_kernels.chunk import chunk_kda, prefill_core
 from pallas_kernels.chunk_prepare import ChunkIntermediates, PrepareBlockSizes, chunk_prepare
 from pallas_kernels.chunk_scan import ScanBlockSizes, chunk_scan
-from pallas_kernels.chunk_scan_vjp import chunk_scan_vjp
 from pallas_kernels.chunk_scores import chunk_scores
+from pallas_kernels.chunk_vjp import chunk_kda_vjp
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 EPS = 1e-5
@@ -553,52 +553,66 @@ def test_chunk_kda_zero_length_keeps_state(rng):
 
 
 # ----------------------------------------------------------------------------------------------
-# chunk_scan_vjp: the state pass the pallas backend differentiates
+# chunk_kda_vjp: the chunked core the pallas backend differentiates
 # ----------------------------------------------------------------------------------------------
-def _scan_vjp_case(inp, chunk, lower_bound, t, seed=3):
-    """The reference's fp32 intermediates, a carried state and random cotangents of o and the
-    final state: (args, cotangents)."""
-    kw = dict(scale=inp[0].shape[-1] ** -0.5, chunk=chunk, lower_bound=lower_bound, mm_dtype=f32)
-    args = (*ref.chunk_prepare_reference(*_prep_args(inp), **kw), inp[7])
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    o_shape = (*inp[2].shape[:3], inp[2].shape[-1])
-    return args, (normal(k1, o_shape), normal(k2, inp[7].shape))
-
-
-def _assert_scan_vjp(args, cts, t, tol):
-    """o, the final state and the gradient of every input against `chunk_scan_reference`'s."""
-    got, pull = jax.vjp(lambda *a: chunk_scan_vjp(*a, t=t), *args)
-    want, pull_ref = jax.vjp(lambda *a: ref.chunk_scan_reference(*a, t=t), *args)
-    for name, g, w in zip(("o", "state"), got, want, strict=True):
-        assert_close(g, w, tol, name)
-    names = (*ChunkIntermediates._fields, "initial state")
-    for name, g, w in zip(names, pull(cts), pull_ref(cts), strict=True):
-        assert_close(g, w, tol, f"d{name}")
+def _core_vjp_case(rng, *, b, t, h, kd, vd, decay):
+    """Inputs of `chunk_kda_reference` (L2-normalised q, k; g = -decay * U(0, 1); a random
+    carried state) and random cotangents of o and the final state."""
+    ks = jax.random.split(rng, 8)
+    l2 = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)  # noqa: E731
+    args = (
+        l2(normal(ks[0], (b, t, h, kd))),
+        l2(normal(ks[1], (b, t, h, kd))),
+        normal(ks[2], (b, t, h, vd)),
+        -decay * jax.random.uniform(ks[3], (b, t, h, kd)),
+        jax.nn.sigmoid(normal(ks[4], (b, t, h))),
+        0.3 * normal(ks[5], (b, h, kd, vd)),
+    )
+    return args, (normal(ks[6], (b, t, h, vd)), normal(ks[7], (b, h, kd, vd)))
 
 
 @pytest.mark.parametrize(
-    "chunk, lower_bound",
-    [(16, None), pytest.param(32, -5.0, marks=pytest.mark.slow)],
-    ids=["c16-unbounded", "c32-bounded"],
-)
-def test_scan_vjp_matches_reference(rng, chunk, lower_bound):
-    """Forward and VJP to qg, kg, w, u, A, exp(G_last) and the carried state, T off the chunk
-    grid (the rows past T get no cotangent), one row shorter than T."""
-    inp = _inputs(rng)
-    args, cts = _scan_vjp_case(inp, chunk, lower_bound, T)
-    _assert_scan_vjp(args, cts, T, FP32_TOL)
+    "chunk, kd, vd, decay",
+    [
+        (16, 32, 32, 0.5),
+        (32, 64, 32, 3.0),
+        pytest.param(32, 32, 64, 30.0, marks=pytest.mark.slow),
+    ],
+    ids=["c16-moderate", "c32-k64-strong", "c32-v64-very-strong"],
+)  # fmt: skip
+def test_core_vjp_matches_reference(rng, chunk, kd, vd, decay):
+    """o, the final state and the gradients of q, k, v, g, beta and the carried state against
+    `jax.grad` of `chunk_kda_reference`; T off the chunk grid (its rows past T get no
+    cotangent); K = 64 and V = 64 take two slices of the backward kernel; decay 30 a token
+    puts exp(G) far below fp32's range within a chunk."""
+    args, (do, ds) = _core_vjp_case(rng, b=2, t=2 * chunk + 5, h=2, kd=kd, vd=vd, decay=decay)
+    scale = kd**-0.5
+
+    def run(fn, *a):
+        return fn(*a, scale=scale, chunk=chunk)
+
+    got, pull = jax.vjp(functools.partial(run, chunk_kda_vjp), *args)
+    want, pull_ref = jax.vjp(functools.partial(run, ref.chunk_kda_reference), *args)
+    for name, g, w in zip(("o", "state"), got, want, strict=True):
+        assert_close(g, w, FP32_TOL, name)
+    names = ("q", "k", "v", "g", "beta", "initial state")
+    for name, g, w in zip(names, pull((do, ds)), pull_ref((do, ds)), strict=True):
+        _assert_finite(g)
+        assert_close(g, w, FP32_TOL, f"d{name}")
 
 
-def test_scan_vjp_rejects_bf16(rng):
-    inp = _inputs(rng)
-    args, _ = _scan_vjp_case(inp, 16, None, T)
-    with pytest.raises(ValueError, match="qg is bfloat16, expected float32"):
-        chunk_scan_vjp(args[0].astype(bf16), *args[1:], t=T)
+def test_core_vjp_rejects_bad_inputs(rng):
+    args, _ = _core_vjp_case(rng, b=1, t=20, h=1, kd=32, vd=32, decay=0.5)
+    with pytest.raises(ValueError, match="q is bfloat16, expected float32"):
+        chunk_kda_vjp(args[0].astype(bf16), *args[1:], scale=1.0, chunk=16)
+    with pytest.raises(ValueError, match="chunk=24; expected a power of two >= 16"):
+        chunk_kda_vjp(*args, scale=1.0, chunk=24)
 
 
 def test_scan_save_states_refuses_pools(rng):
     inp = _inputs(rng)
-    inter = ChunkIntermediates(*_scan_vjp_case(inp, 16, None, T)[0][:6])
+    kw = dict(scale=K**-0.5, chunk=16, lower_bound=None, mm_dtype=f32)
+    inter = ChunkIntermediates(*ref.chunk_prepare_reference(*_prep_args(inp), **kw))
     with pytest.raises(ValueError, match="save_states takes dense rows"):
         chunk_scan(inter, inp[7], jnp.arange(B), t=T, save_states=True)
 
@@ -610,18 +624,13 @@ def test_scan_save_states_refuses_pools(rng):
     ids=["c32-k32", "c16-k16", "c64-k64-strong"],
 )  # fmt: skip
 def test_chunk_scores_match_reference(rng, chunk, kd, decay, strict):
-    """Scores and their VJP against `reference._chunk_scores`, g a chunk-local cumsum of
-    log-decays (K = 16 is narrower than one K slice; K = 64 takes two); strong decay puts
-    exp(g) far past fp32's range (only differences are safe)."""
-    ks = jax.random.split(rng, 4)
+    """Scores against `reference._chunk_scores`, g a chunk-local cumsum of log-decays (K = 16
+    is narrower than one K slice; K = 64 takes two); strong decay puts exp(g) far past fp32's
+    range (only differences are safe)."""
+    ks = jax.random.split(rng, 3)
     x, y = normal(ks[0], (2, 3, chunk, kd)), normal(ks[1], (2, 3, chunk, kd))
     g = jnp.cumsum(-decay * jnp.exp(normal(ks[2], (2, 3, chunk, kd))), axis=-2)
-    ds = normal(ks[3], (2, 3, chunk, chunk))
-    got, pull = jax.vjp(lambda *a: chunk_scores(*a, strict), x, y, g)
-    want, pull_ref = jax.vjp(lambda *a: ref._chunk_scores(*a, strict), x, y, g)
-    assert_close(got, want, FP32_TOL, "scores")
-    for name, a, b in zip(("dx", "dy", "dg"), pull(ds), pull_ref(ds), strict=True):
-        assert_close(a, b, FP32_TOL, name)
+    assert_close(chunk_scores(x, y, g, strict), ref._chunk_scores(x, y, g, strict), FP32_TOL, "S")
 
 
 def test_chunk_scores_reject_bad_shapes(rng):
@@ -631,30 +640,20 @@ def test_chunk_scores_reject_bad_shapes(rng):
 
 
 @pytest.mark.parametrize("chunk", [32, 64])
-def test_chunk_scores_lower_for_h200(chunk):
-    """The scores and their VJP at Kimi-Linear heads build their Triton IR."""
-    a = jax.ShapeDtypeStruct((1, 32, 4, chunk, 128), f32)
-    loss = lambda *x: jnp.sum(chunk_scores(*x, True, interpret=False) ** 2)  # noqa: E731
-    text = lower_for_h200(jax.grad(loss, argnums=(0, 1, 2)), a, a, a)
-    for name in ("kda_chunk_scores", "kda_chunk_scores_bwd"):
-        assert f'"{name}"' in text, name
+def test_core_vjp_lowers_for_h200(chunk):
+    """The chunked core's gradient at Kimi-Linear heads, T off the chunk grid, builds the Triton
+    IR of every kernel it runs."""
+    b, t, h, kd = 1, 300, 32, 128
+    a = jax.ShapeDtypeStruct((b, t, h, kd), f32)
+    args = (a, a, a, a, jax.ShapeDtypeStruct((b, t, h), f32))
+    args += (jax.ShapeDtypeStruct((b, h, kd, kd), f32),)
 
-
-@pytest.mark.parametrize("chunk", [32, 64])
-def test_scan_vjp_lowers_for_h200(chunk):
-    """The gradient of the state pass at Kimi-Linear heads builds both kernels' Triton IR."""
-    b, t, h, kd, n = 1, 300, 32, 128, -(-300 // chunk)
-    s = jax.ShapeDtypeStruct
-    mat = lambda d: s((b, h, n * chunk, d), f32)  # noqa: E731
-    args = (mat(kd), mat(kd), mat(kd), mat(kd), mat(chunk), s((b, h, n, kd), f32))
-    args += (s((b, h, kd, kd), f32),)
-
-    def loss(*a):
-        o, st = chunk_scan_vjp(*a, t=t, interpret=False)
+    def loss(*x):
+        o, st = chunk_kda_vjp(*x, scale=kd**-0.5, chunk=chunk, interpret=False)
         return jnp.sum(o * o) + jnp.sum(st)
 
-    text = lower_for_h200(jax.grad(loss, argnums=tuple(range(7))), *args)
-    for name in ("kda_chunk_scan", "kda_chunk_scan_bwd"):
+    text = lower_for_h200(jax.grad(loss, argnums=tuple(range(6))), *args)
+    for name in ("kda_chunk_scores", "kda_chunk_scan", "kda_chunk_scan_bwd", "kda_chunk_local_bwd"):
         assert f'"{name}"' in text, name
 
 
@@ -779,12 +778,22 @@ def test_stages_fp32_on_gpu(rng, lower_bound, chunk):
 
 
 @pytest.mark.gpu(reason="compiled-kernel accuracy at T=4096 needs a GPU")
-@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["unbounded", "bounded"])
-@pytest.mark.parametrize("decay", ["moderate", "weak"])
-def test_scan_vjp_t4096_on_gpu(rng, lower_bound, decay):
-    """The compiled state pass's VJP (TF32 products) over 128 chunks of Kimi-Linear heads, one
-    row shorter than T, against the reference's (XLA, HIGHEST)."""
-    t, h, kd = 4096, 4, 128
-    inp = _inputs(rng, b=2, t=t, h=h, kd=kd, decay=decay, lengths=[t, t - 77])
-    args, cts = _scan_vjp_case(inp, 32, lower_bound, t)
-    _assert_scan_vjp(args, cts, t, TOL["fp32_gpu"])
+@pytest.mark.parametrize("decay", [0.05, 1.0, 20.0], ids=["weak", "moderate", "strong"])
+def test_core_vjp_t4096_on_gpu(rng, decay):
+    """The compiled core's gradients (TF32 products) over 128 chunks of Kimi-Linear heads,
+    T one row off the chunk grid, against `jax.grad` of the reference (XLA, HIGHEST)."""
+    t, kd = 4095, 128
+    args, cts = _core_vjp_case(rng, b=2, t=t, h=4, kd=kd, vd=kd, decay=decay)
+
+    def run(fn, *a):
+        return fn(*a, scale=kd**-0.5, chunk=32)
+
+    got, pull = jax.vjp(functools.partial(run, chunk_kda_vjp), *args)
+    with jax.default_matmul_precision("highest"):
+        want, pull_ref = jax.vjp(functools.partial(run, ref.chunk_kda_reference), *args)
+        grads_ref = pull_ref(cts)
+    for name, g, w in zip(("o", "state"), got, want, strict=True):
+        assert_close(g, w, TOL["fp32_gpu"], name)
+    names = ("q", "k", "v", "g", "beta", "initial state")
+    for name, g, w in zip(names, pull(cts), grads_ref, strict=True):
+        assert_close(g, w, TOL["fp32_gpu"], f"d{name}")
