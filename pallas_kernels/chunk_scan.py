@@ -102,7 +102,7 @@ def _chunk_scan_kernel(
     info = (first chunk, end chunk, first prefix row, prefix rows) of the stream; with
     `prefix_chunks` the state after every prefix_chunks of them goes to the next prefix row,
     as long as rows remain. With `save` (training) it also writes the state before each chunk
-    and each chunk's Delta, what the backward pass (`chunk_scan_vjp`) reads. With `nan_state`
+    and each chunk's Delta, what the backward pass (`chunk_vjp`) reads. With `nan_state`
     a non-zero flag stores the final state tile as NaN (a row with a non-finite real token)."""
     refs = list(refs)
     slot_ref = refs.pop(0) if pooled else None
