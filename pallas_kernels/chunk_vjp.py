@@ -250,20 +250,11 @@ def _forward(scale, chunk, t, interpret, q, k, v, g, beta, state):
     scores = functools.partial(chunk_scores, interpret=interpret)
     a = scale * scores(qc, kc, gc, False)
     skk = scores(kc, kc, gc, True)
-    eye = jnp.eye(chunk, dtype=f32)
-    tm = ref._unit_lower_inverse(eye + bc[..., None] * skk)
-    rhs = bc[..., None] * jnp.concatenate([kc * jnp.exp(gc), vc], axis=-1)
-    wu = jnp.einsum("...ij,...jn->...in", tm, rhs, precision=lax.Precision.HIGHEST)
-    g_last = gc[..., -1:, :]
+    tm = ref._unit_lower_inverse(jnp.eye(chunk, dtype=f32) + bc[..., None] * skk)
+    solve = functools.partial(jnp.einsum, "...ij,...jn->...in", tm, precision=lax.Precision.HIGHEST)
     flat = lambda x: x.reshape(b, h, -1, *x.shape[4:])  # noqa: E731 - [B, H, N*C, .]
-    inter = ChunkIntermediates(
-        qg=flat(scale * qc * jnp.exp(gc)),
-        kg=flat(kc * jnp.exp(g_last - gc)),
-        w=flat(wu[..., :kd]),
-        u=flat(wu[..., kd:]),
-        a=flat(a),
-        gl=jnp.exp(g_last[..., 0, :]),
-    )
+    qg, kg, w, u, gl = ref.chunk_terms(qc, kc, vc, gc, bc, scale, solve)
+    inter = ChunkIntermediates(qg=flat(qg), kg=flat(kg), w=flat(w), u=flat(u), a=flat(a), gl=gl)
     o, new_state, hs, delta = chunk_scan(
         inter, state, t=t, out_dtype=f32, save_states=True, interpret=interpret
     )

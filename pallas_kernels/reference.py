@@ -553,16 +553,24 @@ def _chunk_local(q, k, v, g, beta, scale):
     u = T(beta v) with T = (I + beta strict-lower(k k^T decayed))^-1, a = s (q k^T decayed, j <= i)
     [..., C, C], gl = exp(G_last) [..., K]; G the inclusive chunk-local cumsum of g.
     """
-    c, kd = q.shape[-2:]
+    c = q.shape[-2]
     gc = jnp.cumsum(g, axis=-2)
     a = scale * _chunk_scores(q, k, gc, False)
     i_plus_l = jnp.eye(c, dtype=q.dtype) + beta[..., None] * _chunk_scores(k, k, gc, True)
-    rhs = beta[..., None] * jnp.concatenate([k * jnp.exp(gc), v], axis=-1)
-    wu = unit_lower_solve(i_plus_l, rhs)
+    solve = functools.partial(unit_lower_solve, i_plus_l)
+    qg, kg, w, u, gl = chunk_terms(q, k, v, gc, beta, scale, solve)
+    return qg, kg, w, u, a, gl
+
+
+def chunk_terms(q, k, v, gc, beta, scale, solve):
+    """The intra-chunk stage's elementwise terms and its WY solve, given G = cumsum(g) (gc) and
+    `solve(x)` = T x: (qg, kg, w, u, gl) as `_chunk_local` returns them."""
+    kd = q.shape[-1]
+    wu = solve(beta[..., None] * jnp.concatenate([k * jnp.exp(gc), v], axis=-1))
     g_last = gc[..., -1:, :]
     qg = scale * q * jnp.exp(gc)
     kg = k * jnp.exp(g_last - gc)
-    return qg, kg, wu[..., :kd], wu[..., kd:], a, jnp.exp(g_last[..., 0, :])
+    return qg, kg, wu[..., :kd], wu[..., kd:], jnp.exp(g_last[..., 0, :])
 
 
 def _state_step(h, kg, w, u, gl):
