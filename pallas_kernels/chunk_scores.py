@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
 
-__all__ = ["SUB", "chunk_scores", "scores_grads"]
+__all__ = ["SUB", "chunk_scores", "k_slices", "scores_grads"]
 
 f32 = jnp.float32
 SUB = 16  # rows of a sub-block: the smallest Triton dot side
@@ -45,13 +45,24 @@ def _block_k(kd: int) -> int:
     return min(_BLOCK_K, kd)
 
 
+def k_slices(kd: int, body, carry):
+    """`carry = body(kk, carry)` over the K slices kk (a pl.ds of `_block_k(kd)` columns), as a
+    rolled loop: unrolled, the kernels' Triton IR (and its compile time) grows with K."""
+    bk = _block_k(kd)
+
+    def step(i, carry):
+        return body(pl.ds(pl.multiple_of(i * bk, bk), bk), carry)
+
+    return lax.fori_loop(0, kd // bk, step, carry)
+
+
 def _scores_kernel(x_ref, y_ref, g_ref, s_ref, *, strict: bool):
     c, kd = x_ref.shape
-    n, bk = c // SUB, _block_k(kd)
+    n = c // SUB
     col = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-    blocks = {}
-    for ks in range(0, kd, bk):  # K slices: [16, BK] temporaries
-        kk = pl.ds(ks, bk)
+
+    def k_slice(kk, blocks):  # [16, BK] temporaries
+        blocks = dict(blocks)
         for bi in range(n):
             rows = pl.ds(bi * SUB, SUB)
             x_i, g_i = x_ref[rows, kk], g_ref[rows, kk]
@@ -60,18 +71,22 @@ def _scores_kernel(x_ref, y_ref, g_ref, s_ref, *, strict: bool):
             for bj in range(bi):
                 cols = pl.ds(bj * SUB, SUB)
                 y_r = y_ref[cols, kk] * jnp.exp(g_r - g_ref[cols, kk])
-                part = lax.dot_general(x_r, y_r, _NT, preferred_element_type=f32)
-                blocks[bi, bj] = blocks.get((bi, bj), 0.0) + part
-            diag = blocks.get((bi, bi), jnp.zeros((SUB, SUB), f32))
-            for j in range(SUB):
+                blocks[bi, bj] += lax.dot_general(x_r, y_r, _NT, preferred_element_type=f32)
+
+            def diag_row(j, diag, bi=bi, x_i=x_i, g_i=g_i):
                 row = pl.ds(bi * SUB + j, 1)
                 e = jnp.exp(_diag_exponent(g_i, g_ref[row, kk], j, strict))
                 s_j = jnp.sum(x_i * y_ref[row, kk] * e, axis=1, keepdims=True)  # [16, 1]
-                diag = diag + jnp.where(col == j, s_j, 0.0)
-            blocks[bi, bi] = diag
+                return diag + jnp.where(col == j, s_j, 0.0)
+
+            blocks[bi, bi] = lax.fori_loop(0, SUB, diag_row, blocks[bi, bi])
+        return blocks
+
+    zero = jnp.zeros((SUB, SUB), f32)
+    blocks = k_slices(kd, k_slice, {(bi, bj): zero for bi in range(n) for bj in range(bi + 1)})
     for bi in range(n):
         for bj in range(n):
-            out = blocks[bi, bj] if bj <= bi else jnp.zeros((SUB, SUB), f32)
+            out = blocks[bi, bj] if bj <= bi else zero
             s_ref[pl.ds(bi * SUB, SUB), pl.ds(bj * SUB, SUB)] = out
 
 
@@ -98,13 +113,16 @@ def scores_grads(ds_ref, ds_col: int, x_ref, y_ref, g_ref, kk, strict: bool):
             dx[bi] += e_ir * jnp.dot(ds_ij, y_r, preferred_element_type=f32)
             dy[bj] += e_rj * lax.dot_general(ds_ij, x_i * e_ir, _TN, preferred_element_type=f32)
         ds_ii = ds_ref[rows, pl.ds(ds_col + bi * SUB, SUB)]
-        for j in range(SUB):
+
+        def diag_row(j, acc, bi=bi, x_i=x_i, g_i=g_i, ds_ii=ds_ii):
+            dx_i, dy_i = acc
             row = pl.ds(bi * SUB + j, 1)
             e = jnp.exp(_diag_exponent(g_i, g_ref[row, kk], j, strict))  # 0 where masked
             d_j = jnp.sum(jnp.where(col == j, ds_ii, 0.0), axis=1, keepdims=True)  # [16, 1]
-            dx[bi] += d_j * y_ref[row, kk] * e
             dy_j = jnp.sum(d_j * x_i * e, axis=0, keepdims=True)  # [1, BK]
-            dy[bi] += jnp.where(row_ids == j, dy_j, 0.0)
+            return dx_i + d_j * y_ref[row, kk] * e, dy_i + jnp.where(row_ids == j, dy_j, 0.0)
+
+        dx[bi], dy[bi] = lax.fori_loop(0, SUB, diag_row, (dx[bi], dy[bi]))
     return dx, dy
 
 

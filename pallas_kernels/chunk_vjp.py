@@ -36,7 +36,7 @@ from pallas_kernels import common
 from pallas_kernels import reference as ref
 from pallas_kernels.chunk_prepare import ChunkIntermediates
 from pallas_kernels.chunk_scan import ScanBlockSizes, chunk_scan
-from pallas_kernels.chunk_scores import SUB, chunk_scores, scores_grads
+from pallas_kernels.chunk_scores import SUB, chunk_scores, k_slices, scores_grads
 
 __all__ = ["chunk_kda_vjp"]
 
@@ -136,35 +136,40 @@ def _local_bwd_kernel(
     vd = v_ref.shape[1]
     bk, bv = min(_BLOCK, kd), min(_BLOCK, vd)
     tm = t_ref[...]
-    beta = beta_ref[...]
-    bcol = beta[:, None]
+    bcol = beta_ref[...][:, None]
     rows = lax.broadcasted_iota(jnp.int32, (c, c), 0)
     cols = lax.broadcasted_iota(jnp.int32, (c, c), 1)
     last = lax.broadcasted_iota(jnp.int32, (c, bk), 0) == c - 1
-    da = jnp.zeros((c, c), f32)
-    dm = jnp.zeros((c, c), f32)  # dLoss/dM before the strict-lower mask and sign
-    dbeta = jnp.zeros((c,), f32)
-    for ks in range(0, kd, bk):  # pass 1: everything but the scores' VJPs, by K slices
-        kk = pl.ds(ks, bk)
-        dqg = jnp.zeros((c, bk), f32)
-        dw = jnp.zeros((c, bk), f32)
-        dkg = jnp.zeros((c, bk), f32)
-        dgl = jnp.zeros((bk,), f32)
-        for vs in range(0, vd, bv):
-            vv = pl.ds(vs, bv)
-            do, e, delta = do_ref[:, vv], e_ref[:, vv], delta_ref[:, vv]
+
+    def v_slice(j, acc):  # the V side: dA, dv, and dM and dbeta through u = T beta v
+        da, dm, dbeta = acc
+        vv = pl.ds(pl.multiple_of(j * bv, bv), bv)
+        v, e = v_ref[:, vv], e_ref[:, vv]
+        da += _dot(do_ref[:, vv], delta_ref[:, vv], _NT)
+        drhs_v = _dot(tm, e, _TN)  # T^T du
+        dm += _dot(drhs_v, _dot(tm, bcol * v), _NT)  # d rhs_v u^T
+        dv_ref[:, vv] = bcol * drhs_v
+        return da, dm, dbeta + jnp.sum(drhs_v * v, axis=1)
+
+    zc = jnp.zeros((c, c), f32)
+    da, dm, dbeta = lax.fori_loop(0, vd // bv, v_slice, (zc, zc, jnp.zeros((c,), f32)))
+
+    def k_slice(kk, acc):  # pass 1: everything else but the scores' VJPs
+        dm, dbeta = acc
+
+        def products(j, acc):  # the products with S_n and L_n over V
+            dqg, dw, dkg, dgl = acc
+            vv = pl.ds(pl.multiple_of(j * bv, bv), bv)
             s_n, lam = hs_ref[kk, vv], lam_ref[kk, vv]
-            dqg += _dot(do, s_n, _NT)
-            dw -= _dot(e, s_n, _NT)
-            dkg += _dot(delta, lam, _NT)
-            dgl += jnp.sum(s_n * lam, axis=1)
-            if ks == 0:  # the V side, once
-                v = v_ref[:, vv]
-                da += _dot(do, delta, _NT)
-                drhs_v = _dot(tm, e, _TN)  # T^T du
-                dm += _dot(drhs_v, _dot(tm, bcol * v), _NT)  # d rhs_v u^T
-                dv_ref[:, vv] = bcol * drhs_v
-                dbeta += jnp.sum(drhs_v * v, axis=1)
+            dqg += _dot(do_ref[:, vv], s_n, _NT)
+            dw -= _dot(e_ref[:, vv], s_n, _NT)
+            dkg += _dot(delta_ref[:, vv], lam, _NT)
+            return dqg, dw, dkg, dgl + jnp.sum(s_n * lam, axis=1)
+
+        zk = jnp.zeros((c, bk), f32)
+        dqg, dw, dkg, dgl = lax.fori_loop(
+            0, vd // bv, products, (zk, zk, zk, jnp.zeros((bk,), f32))
+        )
         q, k, g = q_ref[:, kk], k_ref[:, kk], gc_ref[:, kk]
         g_last = gc_ref[pl.ds(c - 1, 1), kk]  # [1, BK]
         eg, el = jnp.exp(g), jnp.exp(g_last - g)
@@ -177,23 +182,27 @@ def _local_bwd_kernel(
         dk_ref[:, kk] = el * dkg + bcol * eg * drhs_k
         dgc = scale * q * eg * dqg - kg * dkg + bcol * ke * drhs_k
         dgc_ref[:, kk] = dgc + jnp.where(last, dgl_last[None, :], 0.0)
+        return dm, dbeta
+
+    dm, dbeta = k_slices(kd, k_slice, (dm, dbeta))
     dm = jnp.where(cols < rows, -dm, 0.0)
     dbeta_ref[...] = dbeta + jnp.sum(dm * skk_ref[...], axis=1)
     ds_ref[:, pl.ds(0, c)] = jnp.where(cols <= rows, scale * da, 0.0)
     ds_ref[:, pl.ds(c, c)] = bcol * dm
     common.barrier(interpret)  # the stores above, read back below by other threads
-    n = c // SUB
-    for ks in range(0, kd, bk):  # pass 2: the scores' VJPs, by K slices
-        kk = pl.ds(ks, bk)
+
+    def scores_slice(kk, carry):  # pass 2: the scores' VJPs
         dxq, dyq = scores_grads(ds_ref, 0, q_ref, k_ref, gc_ref, kk, False)
         dxk, dyk = scores_grads(ds_ref, c, k_ref, k_ref, gc_ref, kk, True)
-        for bi in range(n):
+        for bi in range(c // SUB):
             r = pl.ds(bi * SUB, SUB)
             q, k = q_ref[r, kk], k_ref[r, kk]
-            dk = dyq[bi] + dxk[bi] + dyk[bi]
             dq_ref[r, kk] += dxq[bi]
-            dk_ref[r, kk] += dk
+            dk_ref[r, kk] += dyq[bi] + dxk[bi] + dyk[bi]
             dgc_ref[r, kk] += q * dxq[bi] + k * (dxk[bi] - dyq[bi] - dyk[bi])
+        return carry
+
+    k_slices(kd, scores_slice, 0)
 
 
 def _local_bwd(q, k, v, gc, beta, tm, skk, hs, lam, delta, e, do, *, scale, interpret):
