@@ -34,11 +34,15 @@ _TN = (((0,), (0,)), ((), ()))  # x.T @ y
 _BLOCK_K = 32  # K slice of the VJP's programs and of the forward's loop (K itself if smaller)
 
 
-def _diag_exponent(g_blk, g_row, j: int, strict: bool):
-    """g_i - g_j on a sub-block's rows i for its row j, -inf where j > i (j >= i if strict)."""
-    i = lax.broadcasted_iota(jnp.int32, g_blk.shape, 0)
-    keep = i > j if strict else i >= j
-    return jnp.where(keep, g_blk - g_row, -jnp.inf)
+def _diag_exponent(g_a, g_b, j: int, strict: bool, below: bool = True):
+    """g_a - g_b on a sub-block's rows i for its row j (one of g_a, g_b is that row [1, K]),
+    -inf outside the kept triangle: below, i >= j (i > j if strict); else i <= j (i < j)."""
+    i = lax.broadcasted_iota(jnp.int32, jnp.broadcast_shapes(g_a.shape, g_b.shape), 0)
+    if below:
+        keep = i > j if strict else i >= j
+    else:
+        keep = i < j if strict else i <= j
+    return jnp.where(keep, g_a - g_b, -jnp.inf)
 
 
 def _block_k(kd: int) -> int:
@@ -90,14 +94,14 @@ def _scores_kernel(x_ref, y_ref, g_ref, s_ref, *, strict: bool):
             s_ref[pl.ds(bi * SUB, SUB), pl.ds(bj * SUB, SUB)] = out
 
 
-def scores_grads(ds_ref, ds_col: int, x_ref, y_ref, g_ref, kk, strict: bool):
-    """dx, dy of the decayed scores for dS = ds_ref[:, ds_col : ds_col + C], on the K columns
-    `kk` (a pl.ds) of x, y, g [C, K]: lists of [16, BK] per 16-row block. The same walk as the
-    forward; dg = x dx - y dy is left to the caller."""
+def scores_grads(ds_ref, dst_ref, ds_col: int, x_ref, y_ref, g_ref, kk, strict: bool):
+    """dx, dy of the decayed scores for dS = ds_ref[:, ds_col : ds_col + C] (dst_ref holds dS^T
+    at the same columns), on the K columns `kk` (a pl.ds) of x, y, g [C, K]: lists of [16, BK]
+    per 16-row block; dg = x dx - y dy is left to the caller. Below the diagonal the forward's
+    factored products; a diagonal block by two walks (dx over its columns j, dy over its rows
+    i), each step a [16, 1] column of dS or dS^T times a row of y or x: no reductions."""
     c = x_ref.shape[0]
     n, bk = c // SUB, kk.size
-    col = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-    row_ids = lax.broadcasted_iota(jnp.int32, (SUB, bk), 0)
     dx = [jnp.zeros((SUB, bk), f32) for _ in range(n)]
     dy = [jnp.zeros((SUB, bk), f32) for _ in range(n)]
     for bi in range(n):
@@ -112,17 +116,20 @@ def scores_grads(ds_ref, ds_col: int, x_ref, y_ref, g_ref, kk, strict: bool):
             y_r = y_ref[cols, kk] * e_rj
             dx[bi] += e_ir * jnp.dot(ds_ij, y_r, preferred_element_type=f32)
             dy[bj] += e_rj * lax.dot_general(ds_ij, x_i * e_ir, _TN, preferred_element_type=f32)
-        ds_ii = ds_ref[rows, pl.ds(ds_col + bi * SUB, SUB)]
 
-        def diag_row(j, acc, bi=bi, x_i=x_i, g_i=g_i, ds_ii=ds_ii):
+        def diag_step(j, acc, bi=bi, rows=rows, g_i=g_i):
             dx_i, dy_i = acc
-            row = pl.ds(bi * SUB + j, 1)
-            e = jnp.exp(_diag_exponent(g_i, g_ref[row, kk], j, strict))  # 0 where masked
-            d_j = jnp.sum(jnp.where(col == j, ds_ii, 0.0), axis=1, keepdims=True)  # [16, 1]
-            dy_j = jnp.sum(d_j * x_i * e, axis=0, keepdims=True)  # [1, BK]
-            return dx_i + d_j * y_ref[row, kk] * e, dy_i + jnp.where(row_ids == j, dy_j, 0.0)
+            at = bi * SUB + j
+            g_j = g_ref[pl.ds(at, 1), kk]
+            # dx_i += dS[:, j] y_j exp(g_i - g_j) over rows i >= j (> j if strict)
+            e = jnp.exp(_diag_exponent(g_i, g_j, j, strict))
+            dx_i += ds_ref[rows, pl.ds(ds_col + at, 1)] * y_ref[pl.ds(at, 1), kk] * e
+            # dy_i += dS[j, :]^T x_j exp(g_j - g_i) over rows i <= j (< j if strict)
+            e_t = jnp.exp(_diag_exponent(g_j, g_i, j, strict, below=False))
+            dy_i += dst_ref[rows, pl.ds(ds_col + at, 1)] * x_ref[pl.ds(at, 1), kk] * e_t
+            return dx_i, dy_i
 
-        dx[bi], dy[bi] = lax.fori_loop(0, SUB, diag_row, (dx[bi], dy[bi]))
+        dx[bi], dy[bi] = lax.fori_loop(0, SUB, diag_step, (dx[bi], dy[bi]))
     return dx, dy
 
 

@@ -14,12 +14,13 @@ serial part is one walk over the chunks in reverse (`_chunk_scan_bwd_kernel`), o
     E_n   = A_n^T dO_n + kg_n L_n                   [C, BV]  (dLoss/dDelta_n = dLoss/du_n)
     L_n-1 = gl_n L_n + qg_n^T dO_n - w_n^T E_n      [K, BV]  (L_-1 = the initial state's)
 
-then one program per (sequence, head, chunk) forms every gradient of the chunk in one pass
+then one program per (sequence, head, chunk) forms every gradient of the chunk but the scores'
 (`_local_bwd_kernel`): the products with S_n and L_n that give d qg = dO S^T, d w = -E S^T,
 d kg = Delta L^T, d A = dO Delta^T and d exp(G_last) = sum_v S * L; back through w, u = T rhs
-(d rhs = T^T [dw, du], dM = -strict_lower(d rhs [w, u]^T)); the elementwise gates; and the
-decayed scores' VJPs, the same 16-row walk as `chunk_scores`' (every exponent <= 0, any decay
-strength). XLA does the reverse cumsum that turns dG into dg.
+(d rhs = T^T [dw, du], dM = -strict_lower(d rhs [w, u]^T)); the elementwise gates; it writes
+dA and dS_strict. Then one program per (sequence, head, chunk, K slice) adds the decayed
+scores' VJPs (`_scores_bwd_kernel`), the same 16-row walk as `chunk_scores`' (every exponent
+<= 0, any decay strength). XLA does the reverse cumsum that turns dG into dg.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ __all__ = ["chunk_kda_vjp"]
 f32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # x @ y.T
 _TN = (((0,), (0,)), ((), ()))  # x.T @ y
-_BLOCK = 32  # K and V slices of the backward kernel
+_BLOCK = 32  # K and V slices of the backward kernels
+_SCORES_BWD_WARPS = 4  # one [C, 32] slice per program
 
 
 def _dot(x, y, dims=None):
@@ -127,10 +129,10 @@ def _local_bwd_kernel(
     dv_ref,  # [C, V]
     dgc_ref,  # [C, K] dLoss/dG
     dbeta_ref,  # [C]
-    ds_ref,  # [C, 2C] scratch: dLoss/dS of the two score matrices
+    ds_ref,  # [C, 2C] dLoss/dS of the two score matrices, for `_scores_bwd_kernel`
+    dst_ref,  # [C, 2C] their transposes
     *,
     scale: float,
-    interpret: bool,
 ):
     c, kd = q_ref.shape
     vd = v_ref.shape[1]
@@ -154,7 +156,7 @@ def _local_bwd_kernel(
     zc = jnp.zeros((c, c), f32)
     da, dm, dbeta = lax.fori_loop(0, vd // bv, v_slice, (zc, zc, jnp.zeros((c,), f32)))
 
-    def k_slice(kk, acc):  # pass 1: everything else but the scores' VJPs
+    def k_slice(kk, acc):  # everything else but the scores' VJPs, by K slices
         dm, dbeta = acc
 
         def products(j, acc):  # the products with S_n and L_n over V
@@ -187,22 +189,28 @@ def _local_bwd_kernel(
     dm, dbeta = k_slices(kd, k_slice, (dm, dbeta))
     dm = jnp.where(cols < rows, -dm, 0.0)
     dbeta_ref[...] = dbeta + jnp.sum(dm * skk_ref[...], axis=1)
-    ds_ref[:, pl.ds(0, c)] = jnp.where(cols <= rows, scale * da, 0.0)
-    ds_ref[:, pl.ds(c, c)] = bcol * dm
-    common.barrier(interpret)  # the stores above, read back below by other threads
+    ds_a, ds_k = jnp.where(cols <= rows, scale * da, 0.0), bcol * dm
+    ds_ref[:, pl.ds(0, c)] = ds_a
+    ds_ref[:, pl.ds(c, c)] = ds_k
+    dst_ref[:, pl.ds(0, c)] = ds_a.T
+    dst_ref[:, pl.ds(c, c)] = ds_k.T
 
-    def scores_slice(kk, carry):  # pass 2: the scores' VJPs
-        dxq, dyq = scores_grads(ds_ref, 0, q_ref, k_ref, gc_ref, kk, False)
-        dxk, dyk = scores_grads(ds_ref, c, k_ref, k_ref, gc_ref, kk, True)
-        for bi in range(c // SUB):
-            r = pl.ds(bi * SUB, SUB)
-            q, k = q_ref[r, kk], k_ref[r, kk]
-            dq_ref[r, kk] += dxq[bi]
-            dk_ref[r, kk] += dyq[bi] + dxk[bi] + dyk[bi]
-            dgc_ref[r, kk] += q * dxq[bi] + k * (dxk[bi] - dyq[bi] - dyk[bi])
-        return carry
 
-    k_slices(kd, scores_slice, 0)
+def _scores_bwd_kernel(ds_ref, dst_ref, q_ref, k_ref, gc_ref, dq_ref, dk_ref, dgc_ref, dq_out,
+                       dk_out, dgc_out):  # fmt: skip
+    """One (sequence, head, chunk, K slice): the two score matrices' VJPs added to the partial
+    dq, dk, dG of `_local_bwd_kernel`. Every gradient is elementwise in K once dS is known, so
+    the 16-row walks split over K slices into short programs (the walk is latency-bound)."""
+    c, bk = q_ref.shape
+    kk = pl.ds(0, bk)
+    dxq, dyq = scores_grads(ds_ref, dst_ref, 0, q_ref, k_ref, gc_ref, kk, False)
+    dxk, dyk = scores_grads(ds_ref, dst_ref, c, k_ref, k_ref, gc_ref, kk, True)
+    for bi in range(c // SUB):
+        r = pl.ds(bi * SUB, SUB)
+        q, k = q_ref[r, :], k_ref[r, :]
+        dq_out[r, :] = dq_ref[r, :] + dxq[bi]
+        dk_out[r, :] = dk_ref[r, :] + dyq[bi] + dxk[bi] + dyk[bi]
+        dgc_out[r, :] = dgc_ref[r, :] + q * dxq[bi] + k * (dxk[bi] - dyq[bi] - dyk[bi])
 
 
 def _local_bwd(q, k, v, gc, beta, tm, skk, hs, lam, delta, e, do, *, scale, interpret):
@@ -218,14 +226,15 @@ def _local_bwd(q, k, v, gc, beta, tm, skk, hs, lam, delta, e, do, *, scale, inte
     vec = pl.BlockSpec((None, None, c), lambda s, hh, i: (s, hh, i))
     state = pl.BlockSpec((None, None, None, kd, vd), lambda s, hh, i: (s, hh, i, 0, 0))
     shape = lambda d: jax.ShapeDtypeStruct((bsz, h, tp, d), f32)  # noqa: E731
-    dq, dk, dv, dgc, dbeta, _ = pl.pallas_call(
-        functools.partial(_local_bwd_kernel, scale=scale, interpret=interpret),
+    dq, dk, dv, dgc, dbeta, ds, dst = pl.pallas_call(
+        functools.partial(_local_bwd_kernel, scale=scale),
         out_shape=(
             shape(kd),
             shape(kd),
             shape(vd),
             shape(kd),
             jax.ShapeDtypeStruct((bsz, h, tp), f32),
+            shape(2 * c),
             shape(2 * c),
         ),
         grid=(bsz, h, n),
@@ -243,11 +252,25 @@ def _local_bwd(q, k, v, gc, beta, tm, skk, hs, lam, delta, e, do, *, scale, inte
             rows(vd),
             pl.BlockSpec((None, c, None, vd), lambda s, hh, i: (s, i, hh, 0)),
         ],
-        out_specs=(rows(kd), rows(kd), rows(vd), rows(kd), vec, rows(2 * c)),
+        out_specs=(rows(kd), rows(kd), rows(vd), rows(kd), vec, rows(2 * c), rows(2 * c)),
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         name="kda_chunk_local_bwd",
         interpret=interpret,
     )(q, k, v, gc, beta, tm, skk, hs, lam, delta, e, do)
+    bk = min(_BLOCK, kd)
+    part = pl.BlockSpec((None, None, c, bk), lambda s, hh, i, j: (s, hh, i, j))
+    dq, dk, dgc = pl.pallas_call(
+        _scores_bwd_kernel,
+        out_shape=(shape(kd),) * 3,
+        grid=(bsz, h, n, kd // bk),
+        in_specs=[pl.BlockSpec((None, None, c, 2 * c), lambda s, hh, i, j: (s, hh, i, 0))] * 2
+        + [part] * 6,
+        out_specs=(part,) * 3,
+        input_output_aliases={5: 0, 6: 1, 7: 2},
+        compiler_params=plt.CompilerParams(num_warps=_SCORES_BWD_WARPS, num_stages=1),
+        name="kda_chunk_scores_bwd",
+        interpret=interpret,
+    )(ds, dst, q, k, gc, dq, dk, dgc)
     return dq, dk, dv, dgc, dbeta
 
 

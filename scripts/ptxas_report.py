@@ -37,6 +37,7 @@ from kda_jax.params import init_params  # noqa: E402
 from kda_jax.state import KdaState  # noqa: E402
 from pallas_kernels.chunk_prepare import ChunkIntermediates, chunk_prepare  # noqa: E402
 from pallas_kernels.chunk_scan import chunk_scan  # noqa: E402
+from pallas_kernels.chunk_vjp import chunk_kda_vjp  # noqa: E402
 from pallas_kernels.conv import conv_prefill  # noqa: E402
 
 BF16 = jnp.bfloat16
@@ -83,6 +84,20 @@ def _conv_prefill():
     return fn, (x, jnp.zeros((B, 3, c)), jnp.zeros((c, 4)), jnp.full((B,), T, jnp.int32))
 
 
+def _train_core():
+    """The training path's chunked core, forward and backward (every `chunk_vjp` kernel)."""
+    a = jnp.zeros((B, T, H, K))
+
+    def fn(q, g, beta, s):
+        def loss(q, g, beta, s):
+            o, st = chunk_kda_vjp(q, q, q, g, beta, s, scale=K**-0.5, chunk=C, interpret=False)
+            return jnp.sum(o) + jnp.sum(st)
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, g, beta, s)
+
+    return fn, (a, a, jnp.zeros((B, T, H)), jnp.zeros((B, H, K, K)))
+
+
 def _decode(batch, rows=None):
     """The whole block's decode step (every decode kernel), Kimi-Linear preset, bf16 weights; with
     `rows`, the verify step (decode_k) of that many rows instead."""
@@ -105,6 +120,7 @@ CASES = {
     "prepare-unbounded": lambda: _prepare(None),
     "scan": _scan,
     "conv-prefill": _conv_prefill,
+    "train-core": _train_core,
     "decode-b1": lambda: _decode(1),
     "decode-b64": lambda: _decode(64),
     "verify-k8": lambda: _decode(1, rows=8),
@@ -125,16 +141,22 @@ def triton_modules(fn, args) -> list[tuple[str, str, int, int]]:
             hlo = lower_for_h200(fn, *args)
     finally:
         pl.pallas_call = original
-    # Launch parameters in call order (the printed modules come in the same order).
+    # Launch parameters (name, num_warps, num_stages) of every launch in the HLO.
     params = [
         (m.group(1), int(m.group(3)), int(m.group(2)))
         for m in re.finditer(r'name = "(\w+)", num_stages = (\d+) : i32, num_warps = (\d+)', hlo)
     ]
     parts = out.getvalue().split("module for pallas_call ")[1:]
     names = [part.split()[0] for part in parts]
-    if [p[0] for p in params] != names:
+    if sorted(p[0] for p in params) != sorted(names):
         raise RuntimeError(f"ptxas_report: kernels {names} do not match launches {params}")
-    return [(n, _clean(part), w, st) for part, (n, w, st) in zip(parts, params, strict=True)]
+    # The HLO may list a nested function's launches after the caller's: match by name, in order.
+    out = []
+    for part, name in zip(parts, names, strict=True):
+        i = next(i for i, p in enumerate(params) if p[0] == name)
+        _, w, st = params.pop(i)
+        out.append((name, _clean(part), w, st))
+    return out
 
 
 def _clean(printed: str) -> str:
