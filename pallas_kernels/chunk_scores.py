@@ -1,21 +1,21 @@
 """Decayed scores of whole chunks on the Triton backend: what the training path's forward forms
 its intra-chunk stage with (the reference is `reference._chunk_scores`), and the walk its
-backward kernel (`chunk_vjp`) runs for their gradients.
+backward kernels (`chunk_vjp`) run for their gradients.
 
     S_ij = sum_k x_ik y_jk exp(g_ik - g_jk)  for j <= i (j < i if strict), else 0      [C, C]
 
 g is a chunk-local cumsum of log-decays (non-increasing along C), so exp(g_i - g_j) <= 1 where
-S is formed, but exp(g_i) alone may overflow (the unbounded gate). One program per chunk walks
-16-row sub-blocks: a block below the diagonal factors through the first row r of its row block,
-exp(g_i - g_r) exp(g_r - g_j) with both exponents <= 0, into one [16, K] x [K, 16] product; the
-diagonal block is formed column by column, its exponents masked to -inf above the diagonal
-before the exp. The gradients are the same walk (`scores_grads`: dx, dy, and dg = x dx - y dy),
-over K slices, since every gradient is elementwise in K once dS is known.
+S is formed, but exp(g_i) alone may overflow (the unbounded gate). The forward forms both of
+the core's matrices, A = S(q, k) and S_strict(k, k), in one program per (chunk, 16-row block):
+a block below the diagonal factors through the block's first row r, exp(g_i - g_r)
+exp(g_r - g_j) with both exponents <= 0, into one [16, K] x [K, 16] product per matrix (the
+k-side factor shared); the diagonal block is formed column by column, its exponents masked to
+-inf above the diagonal before the exp. The gradients are the same walk (`scores_grads`: dx,
+dy, and dg = x dx - y dy), over K slices, since every gradient is elementwise in K once dS is
+known.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ f32 = jnp.float32
 SUB = 16  # rows of a sub-block: the smallest Triton dot side
 _NT = (((1,), (1,)), ((), ()))  # x @ y.T
 _TN = (((0,), (0,)), ((), ()))  # x.T @ y
+_WARPS = 2  # the forward's programs: one 16-row block each
 _BLOCK_K = 32  # K slice of the VJP's programs and of the forward's loop (K itself if smaller)
 
 
@@ -60,38 +61,54 @@ def k_slices(kd: int, body, carry):
     return lax.fori_loop(0, kd // bk, step, carry)
 
 
-def _scores_kernel(x_ref, y_ref, g_ref, s_ref, *, strict: bool):
-    c, kd = x_ref.shape
-    n = c // SUB
+def _scores_kernel(q_ref, k_ref, g_ref, a_ref, s_ref):
+    """Row block bi (program axis 1) of one chunk's S(q, k) and S_strict(k, k)."""
+    c, kd = q_ref.shape
+    bi = pl.program_id(1)
+    r0 = pl.multiple_of(bi * SUB, SUB)
+    rows = pl.ds(r0, SUB)
     col = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-
-    def k_slice(kk, blocks):  # [16, BK] temporaries
-        blocks = dict(blocks)
-        for bi in range(n):
-            rows = pl.ds(bi * SUB, SUB)
-            x_i, g_i = x_ref[rows, kk], g_ref[rows, kk]
-            g_r = g_ref[pl.ds(bi * SUB, 1), kk]
-            x_r = x_i * jnp.exp(g_i - g_r)
-            for bj in range(bi):
-                cols = pl.ds(bj * SUB, SUB)
-                y_r = y_ref[cols, kk] * jnp.exp(g_r - g_ref[cols, kk])
-                blocks[bi, bj] += lax.dot_general(x_r, y_r, _NT, preferred_element_type=f32)
-
-            def diag_row(j, diag, bi=bi, x_i=x_i, g_i=g_i):
-                row = pl.ds(bi * SUB + j, 1)
-                e = jnp.exp(_diag_exponent(g_i, g_ref[row, kk], j, strict))
-                s_j = jnp.sum(x_i * y_ref[row, kk] * e, axis=1, keepdims=True)  # [16, 1]
-                return diag + jnp.where(col == j, s_j, 0.0)
-
-            blocks[bi, bi] = lax.fori_loop(0, SUB, diag_row, blocks[bi, bi])
-        return blocks
-
     zero = jnp.zeros((SUB, SUB), f32)
-    blocks = k_slices(kd, k_slice, {(bi, bj): zero for bi in range(n) for bj in range(bi + 1)})
-    for bi in range(n):
-        for bj in range(n):
-            out = blocks[bi, bj] if bj <= bi else zero
-            s_ref[pl.ds(bi * SUB, SUB), pl.ds(bj * SUB, SUB)] = out
+
+    def below(bj, carry):  # a block left of the diagonal, factored through row r0
+        cols = pl.ds(pl.multiple_of(bj * SUB, SUB), SUB)
+
+        def k_slice(kk, acc):
+            g_r = g_ref[pl.ds(r0, 1), kk]
+            e_ir = jnp.exp(g_ref[rows, kk] - g_r)
+            y_r = k_ref[cols, kk] * jnp.exp(g_r - g_ref[cols, kk])
+            a = lax.dot_general(q_ref[rows, kk] * e_ir, y_r, _NT, preferred_element_type=f32)
+            s = lax.dot_general(k_ref[rows, kk] * e_ir, y_r, _NT, preferred_element_type=f32)
+            return acc[0] + a, acc[1] + s
+
+        a_ref[:, cols], s_ref[:, cols] = k_slices(kd, k_slice, (zero, zero))
+        return carry
+
+    lax.fori_loop(0, bi, below, 0)
+
+    def k_slice(kk, acc):  # the diagonal block, by its columns j
+        q_i, k_i, g_i = q_ref[rows, kk], k_ref[rows, kk], g_ref[rows, kk]
+
+        def column(j, acc):
+            row = pl.ds(r0 + j, 1)
+            ky = k_ref[row, kk] * jnp.exp(_diag_exponent(g_i, g_ref[row, kk], j, False))
+            a_j = jnp.sum(q_i * ky, axis=1, keepdims=True)  # [16, 1]
+            s_j = jnp.sum(k_i * ky, axis=1, keepdims=True)
+            return acc[0] + jnp.where(col == j, a_j, 0.0), acc[1] + jnp.where(col == j, s_j, 0.0)
+
+        return lax.fori_loop(0, SUB, column, acc)
+
+    a_ii, s_ii = k_slices(kd, k_slice, (zero, zero))
+    a_ref[:, rows] = a_ii
+    s_ref[:, rows] = jnp.where(lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0) > col, s_ii, 0.0)
+
+    def above(bj, carry):
+        cols = pl.ds(pl.multiple_of(bj * SUB, SUB), SUB)
+        a_ref[:, cols] = zero
+        s_ref[:, cols] = zero
+        return carry
+
+    lax.fori_loop(bi + 1, c // SUB, above, 0)
 
 
 def scores_grads(ds_ref, dst_ref, ds_col: int, x_ref, y_ref, g_ref, kk, strict: bool):
@@ -133,42 +150,39 @@ def scores_grads(ds_ref, dst_ref, ds_col: int, x_ref, y_ref, g_ref, kk, strict: 
     return dx, dy
 
 
-def _check(x, y, g):
-    c, kd = x.shape[-2:]
-    if x.shape != y.shape or x.shape != g.shape:
+def _check(q, k, g):
+    c, kd = q.shape[-2:]
+    if q.shape != k.shape or q.shape != g.shape:
         raise ValueError(
-            f"chunk_scores: x, y, g have shapes {x.shape}, {y.shape}, {g.shape}; expected equal"
+            f"chunk_scores: q, k, g have shapes {q.shape}, {k.shape}, {g.shape}; expected equal"
         )
     if c % SUB or kd % _block_k(kd) or kd < SUB:
         raise ValueError(
             f"chunk_scores: C={c}, K={kd}: expected C a multiple of {SUB} and K a multiple of "
             f"{_BLOCK_K} or a power of two >= {SUB}"
         )
-    for name, a in zip("xyg", (x, y, g), strict=True):
+    for name, a in zip("qkg", (q, k, g), strict=True):
         if a.dtype != f32:
             raise ValueError(f"chunk_scores: {name} is {a.dtype}, expected float32")
 
 
-def _forward(strict, interpret, x, y, g):
-    lead, (c, kd) = x.shape[:-2], x.shape[-2:]
+def chunk_scores(q, k, g, *, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """(S(q, k), S_strict(k, k)) as `reference._chunk_scores` (q, k, g: [..., C, K] fp32 ->
+    two [..., C, C]) on one Pallas kernel (forward only: `chunk_vjp` differentiates the core
+    around it)."""
+    _check(q, k, g)
+    lead, (c, kd) = q.shape[:-2], q.shape[-2:]
     flat = lambda a: a.reshape(-1, c, kd)  # noqa: E731
-    units = flat(x).shape[0]
-    blk = pl.BlockSpec((None, c, kd), lambda u: (u, 0, 0))
-    s = pl.pallas_call(
-        functools.partial(_scores_kernel, strict=strict),
-        out_shape=jax.ShapeDtypeStruct((units, c, c), f32),
-        grid=(units,),
+    blk = pl.BlockSpec((None, c, kd), lambda u, b: (u, 0, 0))
+    out = pl.BlockSpec((None, SUB, c), lambda u, b: (u, b, 0))
+    a, s = pl.pallas_call(
+        _scores_kernel,
+        out_shape=(jax.ShapeDtypeStruct((flat(q).shape[0], c, c), f32),) * 2,
+        grid=(flat(q).shape[0], c // SUB),
         in_specs=[blk, blk, blk],
-        out_specs=pl.BlockSpec((None, c, c), lambda u: (u, 0, 0)),
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        out_specs=(out, out),
+        compiler_params=plt.CompilerParams(num_warps=_WARPS, num_stages=1),
         name="kda_chunk_scores",
-        interpret=interpret,
-    )(flat(x), flat(y), flat(g))
-    return s.reshape(*lead, c, c)
-
-
-def chunk_scores(x, y, g, strict: bool, *, interpret: bool | None = None) -> jax.Array:
-    """`reference._chunk_scores` (x, y, g: [..., C, K] fp32 -> [..., C, C]) on the Pallas
-    kernel (forward only: `chunk_vjp` differentiates the core around it)."""
-    _check(x, y, g)
-    return _forward(bool(strict), common.resolve_interpret(interpret), x, y, g)
+        interpret=common.resolve_interpret(interpret),
+    )(flat(q), flat(k), flat(g))
+    return a.reshape(*lead, c, c), s.reshape(*lead, c, c)

@@ -279,9 +279,8 @@ def _forward(scale, chunk, t, interpret, q, k, v, g, beta, state):
     xs = tuple(ref._to_chunks(a, chunk) for a in (q, k, v, g, beta))  # [B, H, N, C, .]
     qc, kc, vc, gc, bc = xs
     gc = jnp.cumsum(gc, axis=-2)
-    scores = functools.partial(chunk_scores, interpret=interpret)
-    a = scale * scores(qc, kc, gc, False)
-    skk = scores(kc, kc, gc, True)
+    a, skk = chunk_scores(qc, kc, gc, interpret=interpret)
+    a = scale * a
     tm = ref._unit_lower_inverse(jnp.eye(chunk, dtype=f32) + bc[..., None] * skk)
     solve = functools.partial(jnp.einsum, "...ij,...jn->...in", tm, precision=lax.Precision.HIGHEST)
     flat = lambda x: x.reshape(b, h, -1, *x.shape[4:])  # noqa: E731 - [B, H, N*C, .]

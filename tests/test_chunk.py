@@ -617,26 +617,30 @@ def test_scan_save_states_refuses_pools(rng):
         chunk_scan(inter, inp[7], jnp.arange(B), t=T, save_states=True)
 
 
-@pytest.mark.parametrize("strict", [False, True], ids=["inclusive", "strict"])
 @pytest.mark.parametrize(
     "chunk, kd, decay",
     [(32, K, 0.3), (16, 16, 0.3), pytest.param(64, 64, 20.0, marks=pytest.mark.slow)],
     ids=["c32-k32", "c16-k16", "c64-k64-strong"],
 )  # fmt: skip
-def test_chunk_scores_match_reference(rng, chunk, kd, decay, strict):
-    """Scores against `reference._chunk_scores`, g a chunk-local cumsum of log-decays (K = 16
-    is narrower than one K slice; K = 64 takes two); strong decay puts exp(g) far past fp32's
-    range (only differences are safe)."""
+def test_chunk_scores_match_reference(rng, chunk, kd, decay):
+    """Both score matrices against `reference._chunk_scores`, g a chunk-local cumsum of
+    log-decays (K = 16 is narrower than one K slice; K = 64 takes two; C = 64 has blocks two
+    and three left of the diagonal); strong decay puts exp(g) far past fp32's range (only
+    differences are safe)."""
     ks = jax.random.split(rng, 3)
-    x, y = normal(ks[0], (2, 3, chunk, kd)), normal(ks[1], (2, 3, chunk, kd))
+    q, k = normal(ks[0], (2, 3, chunk, kd)), normal(ks[1], (2, 3, chunk, kd))
     g = jnp.cumsum(-decay * jnp.exp(normal(ks[2], (2, 3, chunk, kd))), axis=-2)
-    assert_close(chunk_scores(x, y, g, strict), ref._chunk_scores(x, y, g, strict), FP32_TOL, "S")
+    a, s = chunk_scores(q, k, g)
+    assert_close(a, ref._chunk_scores(q, k, g, False), FP32_TOL, "S(q, k)")
+    assert_close(s, ref._chunk_scores(k, k, g, True), FP32_TOL, "S_strict(k, k)")
 
 
 def test_chunk_scores_reject_bad_shapes(rng):
     x = normal(rng, (2, 24, K))
     with pytest.raises(ValueError, match="C=24, K=32: expected C a multiple of 16 and K"):
-        chunk_scores(x, x, x, False)
+        chunk_scores(x, x, x)
+    with pytest.raises(ValueError, match="chunk_scores: g is bfloat16, expected float32"):
+        chunk_scores(x[:, :16], x[:, :16], x[:, :16].astype(jnp.bfloat16))
 
 
 @pytest.mark.parametrize("chunk", [32, 64])
@@ -653,8 +657,8 @@ def test_core_vjp_lowers_for_h200(chunk):
         return jnp.sum(o * o) + jnp.sum(st)
 
     text = lower_for_h200(jax.grad(loss, argnums=tuple(range(6))), *args)
-    for name in ("kda_chunk_scores", "kda_chunk_scan", "kda_chunk_scan_bwd", "kda_chunk_local_bwd"):
-        assert f'"{name}"' in text, name
+    for name in ("scores", "scan", "scan_bwd", "local_bwd", "scores_bwd"):
+        assert f'"kda_chunk_{name}"' in text, name
 
 
 # ----------------------------------------------------------------------------------------------
