@@ -20,7 +20,7 @@ d kg = Delta L^T, d A = dO Delta^T and d exp(G_last) = sum_v S * L; back through
 (d rhs = T^T [dw, du], dM = -strict_lower(d rhs [w, u]^T)); the elementwise gates; it writes
 dA and dS_strict. Then one program per (sequence, head, chunk, K slice) adds the decayed
 scores' VJPs (`_scores_bwd_kernel`), the same 16-row walk as `chunk_scores`' (every exponent
-<= 0, any decay strength). XLA does the reverse cumsum that turns dG into dg.
+<= 0, any decay strength) and turns dG into dg (its reverse cumsum over the chunk).
 """
 
 from __future__ import annotations
@@ -197,25 +197,32 @@ def _local_bwd_kernel(
 
 
 def _scores_bwd_kernel(ds_ref, dst_ref, q_ref, k_ref, gc_ref, dq_ref, dk_ref, dgc_ref, dq_out,
-                       dk_out, dgc_out):  # fmt: skip
+                       dk_out, dg_out):  # fmt: skip
     """One (sequence, head, chunk, K slice): the two score matrices' VJPs added to the partial
-    dq, dk, dG of `_local_bwd_kernel`. Every gradient is elementwise in K once dS is known, so
-    the 16-row walks split over K slices into short programs (the walk is latency-bound)."""
+    dq, dk, dG of `_local_bwd_kernel`, then dg from dG (G = cumsum g: dg is dG's reverse
+    cumsum over the chunk). Every gradient is elementwise in K once dS is known, so the 16-row
+    walks split over K slices into short programs (the walk is latency-bound)."""
     c, bk = q_ref.shape
     kk = pl.ds(0, bk)
     dxq, dyq = scores_grads(ds_ref, dst_ref, 0, q_ref, k_ref, gc_ref, kk, False)
     dxk, dyk = scores_grads(ds_ref, dst_ref, c, k_ref, k_ref, gc_ref, kk, True)
-    for bi in range(c // SUB):
+    i = lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+    suffix = jnp.where(lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1) >= i, 1.0, 0.0)
+    later = jnp.zeros((1, bk), f32)  # dG summed over the rows below this block
+    for bi in reversed(range(c // SUB)):
         r = pl.ds(bi * SUB, SUB)
         q, k = q_ref[r, :], k_ref[r, :]
         dq_out[r, :] = dq_ref[r, :] + dxq[bi]
         dk_out[r, :] = dk_ref[r, :] + dyq[bi] + dxk[bi] + dyk[bi]
-        dgc_out[r, :] = dgc_ref[r, :] + q * dxq[bi] + k * (dxk[bi] - dyq[bi] - dyk[bi])
+        dgc = dgc_ref[r, :] + q * dxq[bi] + k * (dxk[bi] - dyq[bi] - dyk[bi])
+        hi = lax.Precision.HIGHEST  # IEEE fp32: a sum, not a TF32 product
+        dg_out[r, :] = jnp.dot(suffix, dgc, precision=hi, preferred_element_type=f32) + later
+        later += jnp.sum(dgc, axis=0, keepdims=True)
 
 
 def _local_bwd(q, k, v, gc, beta, tm, skk, hs, lam, delta, e, do, *, scale, interpret):
     """Every gradient of the intra-chunk stage; inputs [B, H, N*C, .] (beta [B, H, N*C], the
-    states [B, H, N, K, V], do [B, N*C, H, V]); returns dq, dk, dv, dG, dbeta [B, H, N*C, .]."""
+    states [B, H, N, K, V], do [B, N*C, H, V]); returns dq, dk, dv, dg, dbeta [B, H, N*C, .]."""
     bsz, h, tp, kd = q.shape
     vd, n = v.shape[-1], hs.shape[2]
     c = tp // n
@@ -259,7 +266,7 @@ def _local_bwd(q, k, v, gc, beta, tm, skk, hs, lam, delta, e, do, *, scale, inte
     )(q, k, v, gc, beta, tm, skk, hs, lam, delta, e, do)
     bk = min(_BLOCK, kd)
     part = pl.BlockSpec((None, None, c, bk), lambda s, hh, i, j: (s, hh, i, j))
-    dq, dk, dgc = pl.pallas_call(
+    dq, dk, dg = pl.pallas_call(
         _scores_bwd_kernel,
         out_shape=(shape(kd),) * 3,
         grid=(bsz, h, n, kd // bk),
@@ -271,7 +278,7 @@ def _local_bwd(q, k, v, gc, beta, tm, skk, hs, lam, delta, e, do, *, scale, inte
         name="kda_chunk_scores_bwd",
         interpret=interpret,
     )(ds, dst, q, k, gc, dq, dk, dgc)
-    return dq, dk, dv, dgc, dbeta
+    return dq, dk, dv, dg, dbeta
 
 
 def _forward(scale, chunk, t, interpret, q, k, v, g, beta, state):
@@ -303,15 +310,13 @@ def _core_bwd(scale, chunk, t, interpret, res, cts):
     qc, kc, vc, gc, bc, tm, skk, saved, hs, delta = res
     do, ds = cts
     bsz, h, tp, kd = qc.shape
-    vd, n = vc.shape[-1], hs.shape[2]
+    vd = vc.shape[-1]
     do = jnp.pad(do.astype(f32), [(0, 0), (0, tp - t), (0, 0), (0, 0)])  # rows past T: no output
     blk = ScanBlockSizes.get_default(bsz, h, vd, chunk)
     e, lam, dh0 = _scan_bwd(*saved, do, ds.astype(f32), blk, interpret)
-    dq, dk, dv, dgc, dbeta = _local_bwd(
+    dq, dk, dv, dg, dbeta = _local_bwd(
         qc, kc, vc, gc, bc, tm, skk, hs, lam, delta, e, do, scale=scale, interpret=interpret
     )
-    dgc = dgc.reshape(bsz, h, n, chunk, kd)
-    dg = jnp.flip(jnp.cumsum(jnp.flip(dgc, -2), axis=-2), -2).reshape(bsz, h, tp, kd)
     back = lambda x: jnp.moveaxis(x, 1, 2)[:, :t]  # noqa: E731 - [B, T, H, .]
     return back(dq), back(dk), back(dv), back(dg), back(dbeta), dh0
 
