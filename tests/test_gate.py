@@ -21,8 +21,9 @@ GATES = [None, -5.0]
 
 def _inputs(rng, dtype, lead=LEAD):
     kf, kb, ka, kd = jax.random.split(rng, 4)
-    # Wide f so the softplus crosses its linear threshold (u > 20) and strong and weak decay mix.
-    f = normal(kf, (*lead, H * K), dtype, scale=8.0)
+    # Wide f so the softplus crosses its linear threshold (u > 20) and strong and weak decay mix;
+    # one channel per row pinned far past it, so every draw covers both branches.
+    f = normal(kf, (*lead, H * K), dtype, scale=8.0).at[..., 0].set(60.0)
     b = normal(kb, (*lead, H), dtype, scale=2.0)
     a_log = normal(ka, (H,), scale=0.5)
     dt_bias = normal(kd, (H * K,), scale=2.0)
