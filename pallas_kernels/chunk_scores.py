@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
 
-__all__ = ["SUB", "chunk_scores", "k_slices", "scores_grads"]
+__all__ = ["SUB", "block_k", "chunk_scores", "k_slices", "scores_grads"]
 
 f32 = jnp.float32
 SUB = 16  # rows of a sub-block: the smallest Triton dot side
@@ -46,14 +46,15 @@ def _diag_exponent(g_a, g_b, j: int, strict: bool, below: bool = True):
     return jnp.where(keep, g_a - g_b, -jnp.inf)
 
 
-def _block_k(kd: int) -> int:
+def block_k(kd: int) -> int:
+    """Width of the K slices every kernel of the training core loops over."""
     return min(_BLOCK_K, kd)
 
 
 def k_slices(kd: int, body, carry):
-    """`carry = body(kk, carry)` over the K slices kk (a pl.ds of `_block_k(kd)` columns), as a
+    """`carry = body(kk, carry)` over the K slices kk (a pl.ds of `block_k(kd)` columns), as a
     rolled loop: unrolled, the kernels' Triton IR (and its compile time) grows with K."""
-    bk = _block_k(kd)
+    bk = block_k(kd)
 
     def step(i, carry):
         return body(pl.ds(pl.multiple_of(i * bk, bk), bk), carry)
@@ -156,7 +157,7 @@ def _check(q, k, g):
         raise ValueError(
             f"chunk_scores: q, k, g have shapes {q.shape}, {k.shape}, {g.shape}; expected equal"
         )
-    if c % SUB or kd % _block_k(kd) or kd < SUB:
+    if c % SUB or kd % block_k(kd) or kd < SUB:
         raise ValueError(
             f"chunk_scores: C={c}, K={kd}: expected C a multiple of {SUB} and K a multiple of "
             f"{_BLOCK_K} or a power of two >= {SUB}"

@@ -37,14 +37,14 @@ from pallas_kernels import common
 from pallas_kernels import reference as ref
 from pallas_kernels.chunk_prepare import ChunkIntermediates
 from pallas_kernels.chunk_scan import ScanBlockSizes, chunk_scan
-from pallas_kernels.chunk_scores import SUB, chunk_scores, k_slices, scores_grads
+from pallas_kernels.chunk_scores import SUB, block_k, chunk_scores, k_slices, scores_grads
 
 __all__ = ["chunk_kda_vjp"]
 
 f32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # x @ y.T
 _TN = (((0,), (0,)), ((), ()))  # x.T @ y
-_BLOCK = 32  # K and V slices of the backward kernels
+_BLOCK_V = 32  # V slices of the backward kernel (its K slices: chunk_scores.block_k)
 _SCORES_BWD_WARPS = 4  # one [C, 32] slice per program
 
 
@@ -136,7 +136,7 @@ def _local_bwd_kernel(
 ):
     c, kd = q_ref.shape
     vd = v_ref.shape[1]
-    bk, bv = min(_BLOCK, kd), min(_BLOCK, vd)
+    bk, bv = block_k(kd), min(_BLOCK_V, vd)
     tm = t_ref[...]
     bcol = beta_ref[...][:, None]
     rows = lax.broadcasted_iota(jnp.int32, (c, c), 0)
@@ -264,7 +264,7 @@ def _local_bwd(q, k, v, gc, beta, tm, skk, hs, lam, delta, e, do, *, scale, inte
         name="kda_chunk_local_bwd",
         interpret=interpret,
     )(q, k, v, gc, beta, tm, skk, hs, lam, delta, e, do)
-    bk = min(_BLOCK, kd)
+    bk = block_k(kd)
     part = pl.BlockSpec((None, None, c, bk), lambda s, hh, i, j: (s, hh, i, j))
     dq, dk, dg = pl.pallas_call(
         _scores_bwd_kernel,

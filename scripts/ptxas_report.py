@@ -151,12 +151,12 @@ def triton_modules(fn, args) -> list[tuple[str, str, int, int]]:
     if sorted(p[0] for p in params) != sorted(names):
         raise RuntimeError(f"ptxas_report: kernels {names} do not match launches {params}")
     # The HLO may list a nested function's launches after the caller's: match by name, in order.
-    out = []
+    modules = []
     for part, name in zip(parts, names, strict=True):
         i = next(i for i, p in enumerate(params) if p[0] == name)
         _, w, st = params.pop(i)
-        out.append((name, _clean(part), w, st))
-    return out
+        modules.append((name, _clean(part), w, st))
+    return modules
 
 
 def _clean(printed: str) -> str:

@@ -577,14 +577,16 @@ def _core_vjp_case(rng, *, b, t, h, kd, vd, decay):
         (16, 32, 32, 0.5),
         (32, 64, 32, 3.0),
         pytest.param(32, 32, 64, 30.0, marks=pytest.mark.slow),
+        pytest.param(64, 32, 32, 3.0, marks=pytest.mark.slow),
     ],
-    ids=["c16-moderate", "c32-k64-strong", "c32-v64-very-strong"],
+    ids=["c16-moderate", "c32-k64-strong", "c32-v64-very-strong", "c64-four-row-blocks"],
 )  # fmt: skip
 def test_core_vjp_matches_reference(rng, chunk, kd, vd, decay):
     """o, the final state and the gradients of q, k, v, g, beta and the carried state against
     `jax.grad` of `chunk_kda_reference`; T off the chunk grid (its rows past T get no
     cotangent); K = 64 and V = 64 take two slices of the backward kernel; decay 30 a token
-    puts exp(G) far below fp32's range within a chunk."""
+    puts exp(G) far below fp32's range within a chunk; C = 64 has four 16-row blocks, so a
+    block's dk gathers the score walks of several blocks below it."""
     args, (do, ds) = _core_vjp_case(rng, b=2, t=2 * chunk + 5, h=2, kd=kd, vd=vd, decay=decay)
     scale = kd**-0.5
 
